@@ -1,0 +1,132 @@
+"""`atlas` command line: parses arguments and calls the library; no logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from importlib import resources
+
+from atlas.config import ConfigError, load_config
+
+DEMO_OUTPUT = "atlas-demo-output"
+
+
+def _run(args: argparse.Namespace) -> int:
+    from atlas import logs, runner
+
+    cfg = load_config(args.config, overrides=args.set, input=args.input, output=args.output, run_id=args.run_id)
+    if args.address:
+        cfg = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"address": args.address})})
+    logs.setup(args.log_file)
+    manifest = runner.run(cfg, tuple(args.stages) if args.stages else runner.STAGES)
+    _print_status(manifest)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    corpus = resources.files("atlas") / "demo" / "corpus"
+    demo_cfg = resources.files("atlas") / "demo" / "demo.yaml"
+    args.input = str(corpus)
+    args.output = args.output or os.path.abspath(DEMO_OUTPUT)
+    args.config = args.config or str(demo_cfg)
+    return _run(args)
+
+
+def _print_status(manifest: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"run {manifest['run_id']} — {manifest['status']}")
+    for col in ("stage", "status", "seconds", "stats"):
+        table.add_column(col)
+    for name, st in manifest["stages"].items():
+        stats = st.get("stats") or st.get("error") or st.get("reason") or ""
+        table.add_row(name, st["status"], str(st.get("seconds", "")), stats if isinstance(stats, str) else json.dumps(stats))
+    Console().print(table)
+    print(f"output: {manifest['config']['output']}")
+
+
+def _status(args: argparse.Namespace) -> int:
+    from atlas import manifest as mf, storage
+    from atlas.config import StorageConfig
+
+    data = mf.load(storage.resolve(args.output, StorageConfig(s3_endpoint=args.s3_endpoint)))
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        _print_status(data)
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from atlas.engine import resolve_model
+
+    for name in args.models:
+        print(f"{name}: {resolve_model(name if ':' in name or '/' in name else 'embedded:' + name)}")
+    return 0
+
+
+def _schemas(args: argparse.Namespace) -> int:
+    from atlas import schemas
+
+    print(schemas.describe())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="atlas", description="Atlas: build a concept library from a corpus on Ray.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add_run_flags(sp: argparse.ArgumentParser, need_io: bool) -> None:
+        sp.add_argument("--input", required=need_io, help="corpus folder, file:// or s3:// prefix of .txt/.jsonl/.parquet")
+        sp.add_argument("--output", required=need_io, help="output root URI (file:// or s3://)")
+        sp.add_argument("--config", help="run config YAML")
+        sp.add_argument("--address", help="Ray address (default: start a local cluster)")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. stage1.max_tags=8")
+        sp.add_argument("--stages", nargs="+", help="run only these stages (in order)")
+        sp.add_argument("--run-id", help="run id (default: time + random suffix)")
+        sp.add_argument("--log-file", help="also write JSON-lines logs here")
+
+    r = sub.add_parser("run", help="run the pipeline stages on a corpus")
+    add_run_flags(r, need_io=True)
+    r.set_defaults(func=_run)
+
+    d = sub.add_parser("demo", help=f"run the pipeline on the bundled demo corpus (output: ./{DEMO_OUTPUT})")
+    add_run_flags(d, need_io=False)
+    d.set_defaults(func=_demo)
+
+    s = sub.add_parser("status", help="show a run's manifest")
+    s.add_argument("output", help="the run's output root URI")
+    s.add_argument("--s3-endpoint", help="S3 endpoint override")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_status)
+
+    m = sub.add_parser("prepare-model", help="convert packaged GGUF models to cached Hugging Face directories")
+    m.add_argument("models", nargs="*", default=["gemma3-270m"], help="embedded model names or HF paths")
+    m.set_defaults(func=_prepare)
+
+    sc = sub.add_parser("schemas", help="print the tables' schemas as Markdown")
+    sc.set_defaults(func=_schemas)
+
+    try:
+        from atlas import cli_scaling
+    except ImportError:
+        cli_scaling = None
+    if cli_scaling is not None:
+        cli_scaling.add_commands(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"atlas: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Storage by URI (``file://``, plain paths, ``s3://``) and atomic publication of tables.
+
+Layout of a run's output root::
+
+    <root>/_manifest.json              run manifest (config, versions, per-stage status)
+    <root>/<table>/_CURRENT            JSON pointer to the committed version
+    <root>/<table>/v-<id>/part-*.parquet
+
+A table is written into a fresh version directory, and only then is ``_CURRENT`` replaced in a
+single operation (rename on a local disk, one PUT on S3), so a reader that resolves a table
+through :func:`table_path` never sees a half-written stage. Object stores have no atomic
+directory rename, which is why the pointer (and not the directory name) is the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from atlas.config import StorageConfig
+
+POINTER = "_CURRENT"
+MANIFEST = "_manifest.json"
+
+
+class StorageError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Location:
+    """A resolved URI: a pyarrow filesystem plus a path inside it (no scheme)."""
+
+    fs: pafs.FileSystem
+    path: str
+    uri: str
+
+    def join(self, *parts: str) -> "Location":
+        path = "/".join([self.path.rstrip("/"), *[p.strip("/") for p in parts]])
+        uri = "/".join([self.uri.rstrip("/"), *[p.strip("/") for p in parts]])
+        return Location(self.fs, path, uri)
+
+    @property
+    def is_s3(self) -> bool:
+        return self.uri.startswith("s3://")
+
+
+def _s3_options(cfg: StorageConfig | None) -> dict[str, Any]:
+    cfg = cfg or StorageConfig()
+    endpoint = cfg.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    region = cfg.s3_region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    opts: dict[str, Any] = {}
+    if endpoint:
+        parsed = urllib.parse.urlparse(endpoint)
+        if parsed.scheme == "http" and not cfg.s3_allow_http:
+            raise StorageError("http:// S3 endpoint refused (storage.s3_allow_http is false)")
+        opts["endpoint_override"] = parsed.netloc or parsed.path
+        opts["scheme"] = parsed.scheme or "https"
+    if region:
+        opts["region"] = region
+    return opts
+
+
+def s3_storage_options(cfg: StorageConfig | None) -> dict[str, str]:
+    """Options in the form polars / object_store expect (endpoint URL + region)."""
+    o = _s3_options(cfg)
+    out: dict[str, str] = {}
+    if "endpoint_override" in o:
+        out["aws_endpoint_url"] = f"{o['scheme']}://{o['endpoint_override']}"
+        out["aws_allow_http"] = "true" if o["scheme"] == "http" else "false"
+    if "region" in o:
+        out["aws_region"] = o["region"]
+    return out
+
+
+def resolve(uri: str, cfg: StorageConfig | None = None) -> Location:
+    """Map a URI (or local path) to a filesystem and path. Credentials follow the AWS chain."""
+    if not uri:
+        raise StorageError("empty URI")
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise StorageError(f"s3 URI without a bucket: {uri!r}")
+        fs = pafs.S3FileSystem(**_s3_options(cfg))
+        path = f"{parsed.netloc}/{parsed.path.lstrip('/')}".rstrip("/")
+        return Location(fs, path, f"s3://{path}")
+    if parsed.scheme in ("", "file"):
+        local = parsed.path if parsed.scheme == "file" else uri
+        local = os.path.abspath(os.path.expanduser(local))
+        return Location(pafs.LocalFileSystem(), local, f"file://{local}")
+    raise StorageError(f"unsupported URI scheme {parsed.scheme!r} in {uri!r} (use file:// or s3://)")
+
+
+def exists(loc: Location) -> bool:
+    return loc.fs.get_file_info(loc.path).type != pafs.FileType.NotFound
+
+
+def read_bytes(loc: Location) -> bytes:
+    with loc.fs.open_input_stream(loc.path) as f:
+        return f.read()
+
+
+def write_bytes_atomic(loc: Location, data: bytes) -> None:
+    """Replace one object in a single step: a PUT on S3, write-then-rename on a local disk."""
+    if loc.is_s3:
+        with loc.fs.open_output_stream(loc.path) as f:
+            f.write(data)
+        return
+    os.makedirs(os.path.dirname(loc.path), exist_ok=True)
+    tmp = f"{loc.path}.tmp-{secrets.token_hex(4)}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, loc.path)
+
+
+def read_json(loc: Location) -> Any:
+    return json.loads(read_bytes(loc).decode("utf-8"))
+
+
+def write_json_atomic(loc: Location, obj: Any) -> None:
+    write_bytes_atomic(loc, json.dumps(obj, indent=2, sort_keys=True, default=str).encode("utf-8"))
+
+
+# ---------------------------------------------------------------- tables
+
+
+def new_version(root: Location, table: str) -> Location:
+    """A fresh, unpublished version directory for ``table``."""
+    vid = f"v-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
+    loc = root.join(table, vid)
+    loc.fs.create_dir(loc.path, recursive=True)
+    return loc
+
+
+def publish(root: Location, table: str, version: Location, rows: int, keep_previous: int = 1) -> dict[str, Any]:
+    """Commit ``version`` as the current content of ``table`` and drop older versions."""
+    pointer = {
+        "table": table,
+        "version": version.path.rsplit("/", 1)[-1],
+        "rows": int(rows),
+        "committed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    previous = current_version(root, table)
+    write_json_atomic(root.join(table, POINTER), pointer)
+    keep = {pointer["version"]}
+    if previous and keep_previous > 0:
+        keep.add(previous)
+    selector = pafs.FileSelector(root.join(table).path, allow_not_found=True)
+    for info in root.fs.get_file_info(selector):
+        name = info.base_name
+        if info.type == pafs.FileType.Directory and name.startswith("v-") and name not in keep:
+            root.fs.delete_dir(info.path)
+    return pointer
+
+
+def current_version(root: Location, table: str) -> str | None:
+    ptr = root.join(table, POINTER)
+    if not exists(ptr):
+        return None
+    return read_json(ptr)["version"]
+
+
+def table_path(root: Location, table: str) -> Location:
+    """The committed version directory of ``table``; raises if it was never published."""
+    version = current_version(root, table)
+    if version is None:
+        raise StorageError(f"table {table!r} has not been published under {root.uri}")
+    return root.join(table, version)
+
+
+def table_exists(root: Location, table: str) -> bool:
+    return current_version(root, table) is not None
+
+
+def write_table(root: Location, table: str, data: pa.Table) -> dict[str, Any]:
+    """Write a (small) Arrow table as one Parquet file and publish it."""
+    version = new_version(root, table)
+    pq.write_table(data, version.join("part-00000.parquet").path, filesystem=version.fs)
+    return publish(root, table, version, data.num_rows)
+
+
+def read_table(root: Location, table: str, columns: list[str] | None = None) -> pa.Table:
+    loc = table_path(root, table)
+    return pq.read_table(loc.path, filesystem=loc.fs, columns=columns)
+
+
+def write_dataset(root: Location, table: str, ds: Any, schema: pa.Schema | None = None) -> dict[str, Any]:
+    """Write a Ray Dataset with Ray Data's Parquet writer, then publish it.
+
+    An empty dataset still produces an (empty) Parquet file with ``schema`` so that readers
+    get the documented columns.
+    """
+    version = new_version(root, table)
+    ds = ds.materialize()
+    rows = ds.count()
+    if rows == 0:
+        if schema is None:
+            raise StorageError(f"cannot write empty table {table!r} without a schema")
+        pq.write_table(schema.empty_table(), version.join("part-00000.parquet").path, filesystem=version.fs)
+    else:
+        ds.write_parquet(version.path, filesystem=version.fs)
+    return publish(root, table, version, rows)
+
+
+def read_dataset(root: Location, table: str) -> Any:
+    import ray.data
+
+    loc = table_path(root, table)
+    return ray.data.read_parquet(loc.path, filesystem=loc.fs)

@@ -1,0 +1,335 @@
+"""Steerling compute graph: decoder backbone, attention masks, concept module, decomposition.
+
+Pure PyTorch (no Ray). One class serves all four families:
+  ar / cdlm                 h -> W h
+  ar_concept / cdlm_concept h -> concept module -> h_bar = k_hat + u_hat + eps -> W h_bar
+The only AR/CDLM difference inside the network is the attention mask (causal vs
+block-causal); the objectives (model/objectives.py) decide what the input and targets are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.config import ModelConfig
+
+
+# ----------------------------------------------------------------------------- masks
+def block_causal_mask(seq_len: int, block_size: int, device=None) -> torch.Tensor:
+    """Boolean (T, T) mask, True = may attend: query q sees key k iff q // B >= k // B."""
+    blk = torch.arange(seq_len, device=device) // block_size
+    return blk[:, None] >= blk[None, :]
+
+
+def causal_mask(seq_len: int, device=None) -> torch.Tensor:
+    """Boolean (T, T) lower-triangular mask (AR)."""
+    pos = torch.arange(seq_len, device=device)
+    return pos[:, None] >= pos[None, :]
+
+
+# ----------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+
+
+def rope_tables(head_dim: int, max_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    ang = torch.arange(max_len, dtype=torch.float64)[:, None] * inv[None, :]
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, T, hd); rotate-half convention on the two halves of each head."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+_flex_fn = None
+
+
+def _flex_attention(q, k, v, block_mask):
+    global _flex_fn
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if _flex_fn is None:  # compiled once per process; flex is only fast when compiled
+        _flex_fn = torch.compile(flex_attention, dynamic=False)
+    return _flex_fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * self.hd, bias=False)
+        self.out = nn.Linear(cfg.n_heads * self.hd, cfg.d_model, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.hd, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+
+    def forward(self, x, cos, sin, mask_info) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+        q = self.q_norm(q.view(B, T, self.n_heads, self.hd)).transpose(1, 2)
+        k = self.k_norm(k.view(B, T, self.n_kv, self.hd)).transpose(1, 2)
+        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kind, mask = mask_info
+        if kind == "flex":
+            y = _flex_attention(q, k, v, mask)
+        else:
+            if self.n_kv != self.n_heads:  # expand KV heads (GQA) so every SDPA kernel applies
+                rep = self.n_heads // self.n_kv
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            if kind == "causal":
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False)  # gate and value fused
+        self.down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        gate, val = self.up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * val)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x, cos, sin, mask_info):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask_info)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# ----------------------------------------------------------------------------- concepts
+@dataclass
+class ConceptOutput:
+    """Concept-module results for N selected positions (flattened)."""
+
+    known_logits: torch.Tensor  # (N, n) clamped logits of the known head (dense)
+    known_idx: torch.Tensor  # (N, k_known) active known concepts
+    known_w: torch.Tensor  # (N, k_known) their sigmoid activations
+    unknown_idx: torch.Tensor  # (N, k_unknown)
+    unknown_w: torch.Tensor  # (N, k_unknown)
+    k_hat: torch.Tensor  # (N, d) known contribution actually composed (may be teacher-forced)
+    k_hat_pred: torch.Tensor  # (N, d) known contribution from the predicted activations
+    u_hat: torch.Tensor  # (N, d)
+    eps: torch.Tensor  # (N, d) residual h - k_hat - u_hat
+    h_bar: torch.Tensor  # (N, d) k_hat + u_hat + eps, numerically equal to h
+
+
+class ConceptModule(nn.Module):
+    """Known head f + n embeddings K; unknown head g + m factorized embeddings U = coef @ basis."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.cfg = cfg
+        self.known_head = nn.Linear(d, cfg.n_known)
+        self.known_emb = nn.Parameter(torch.empty(cfg.n_known, d))
+        self.unknown_head = nn.Linear(d, cfg.n_unknown)
+        self.unknown_coef = nn.Parameter(torch.empty(cfg.n_unknown, cfg.unknown_rank))
+        self.unknown_basis = nn.Parameter(torch.empty(cfg.unknown_rank, d))
+
+    def known_logits(self, h: torch.Tensor) -> torch.Tensor:
+        c = self.cfg.concept_logit_clamp
+        return self.known_head(h).clamp(-c, c)
+
+    def unknown_embeddings(self) -> torch.Tensor:
+        """Dense U (m x d); only for analysis, training never materialises it."""
+        return self.unknown_coef @ self.unknown_basis
+
+    def known_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """k_hat for multi-hot labels (..., n): sum of the labelled concepts' embeddings."""
+        return labels.to(self.known_emb.dtype) @ self.known_emb
+
+    @staticmethod
+    def _topk_sigmoid(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # sigmoid is monotone, so top-k on the logits picks the same concepts
+        val, idx = logits.topk(k, dim=-1)
+        return idx, torch.sigmoid(val.float())
+
+    def forward(self, h: torch.Tensor, known_logits: torch.Tensor | None = None,
+                k_hat_teacher: torch.Tensor | None = None, teacher_weight: float = 0.0) -> ConceptOutput:
+        cfg = self.cfg
+        if known_logits is None:
+            known_logits = self.known_logits(h)
+        k_idx, k_w = self._topk_sigmoid(known_logits, cfg.topk_known)
+        # weighted row sums without a dense (N, n) activation matrix
+        k_hat_pred = F.embedding_bag(k_idx, self.known_emb, per_sample_weights=k_w.to(self.known_emb.dtype),
+                                     mode="sum")
+        k_hat = k_hat_pred
+        if k_hat_teacher is not None and teacher_weight > 0:
+            k_hat = teacher_weight * k_hat_teacher.to(k_hat_pred.dtype) + (1 - teacher_weight) * k_hat_pred
+        # The unknown head explains what the known part leaves; it must not steer the backbone.
+        c = cfg.concept_logit_clamp
+        u_logits = self.unknown_head(h.detach()).clamp(-c, c)
+        u_idx, u_w = self._topk_sigmoid(u_logits, cfg.topk_unknown)
+        u_low = F.embedding_bag(u_idx, self.unknown_coef, per_sample_weights=u_w.to(self.unknown_coef.dtype),
+                                mode="sum")
+        u_hat = u_low @ self.unknown_basis
+        k_hat = k_hat.to(h.dtype)
+        u_hat = u_hat.to(h.dtype)
+        # eps uses detached contributions: h_bar == h numerically while the LM loss still
+        # sends gradient into k_hat and u_hat (straight through the composition).
+        eps = h - (k_hat + u_hat).detach()
+        h_bar = k_hat + u_hat + eps
+        return ConceptOutput(known_logits, k_idx, k_w, u_idx, u_w, k_hat, k_hat_pred.to(h.dtype), u_hat, eps, h_bar)
+
+
+# ----------------------------------------------------------------------------- model
+@dataclass
+class Decomposition:
+    """Exact split of logits at P positions: logit = sum(known) + unknown + residual."""
+
+    token: torch.Tensor  # (P,) token whose logit is explained
+    logit: torch.Tensor  # (P,) full-model logit of that token
+    known_idx: torch.Tensor  # (P, k) active known concepts
+    known: torch.Tensor  # (P, k) per-concept contribution k_i (K_i . W_y)
+    unknown: torch.Tensor  # (P,) u_hat . W_y
+    residual: torch.Tensor  # (P,) eps . W_y
+    max_abs_error: float  # max |sum(known) + unknown + residual - logit|
+
+    @property
+    def known_total(self) -> torch.Tensor:
+        return self.known.sum(-1)
+
+
+class Steerling(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.concept = ConceptModule(cfg) if cfg.has_concepts else None
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._mask_cache: dict = {}
+        self.reset_parameters()
+
+    # -- init
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
+            elif name.endswith(("attn.out.weight", "mlp.down.weight")):
+                nn.init.normal_(p, std=std / math.sqrt(2 * self.cfg.n_layers))  # residual branches
+            elif "unknown_coef" in name:
+                nn.init.normal_(p, std=1.0 / math.sqrt(self.cfg.unknown_rank))
+            else:
+                nn.init.normal_(p, std=std)
+
+    @property
+    def lm_weight(self) -> torch.Tensor:
+        return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+
+    def _mask_info(self, T: int, device) -> tuple[str, object]:
+        cfg = self.cfg
+        if not cfg.is_diffusion:
+            return ("causal", None)
+        use_flex = cfg.attn_backend == "flex" or (cfg.attn_backend == "auto" and device.type == "cuda")
+        key = (T, str(device), use_flex)
+        if key not in self._mask_cache:
+            if use_flex:
+                from torch.nn.attention.flex_attention import create_block_mask
+
+                bs = cfg.block_size
+
+                def mask_mod(b, h, q, kv):
+                    return q // bs >= kv // bs
+
+                self._mask_cache[key] = ("flex", create_block_mask(mask_mod, None, None, T, T, device=device))
+            else:
+                self._mask_cache[key] = ("mask", block_causal_mask(T, cfg.block_size, device))
+        return self._mask_cache[key]
+
+    # -- forward pieces
+    def hidden(self, idx: torch.Tensor, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden state h (B, T, d). ``input_embeds`` replaces the token lookup
+        (used by Integrated Gradients over input embeddings)."""
+        B, T = idx.shape if input_embeds is None else input_embeds.shape[:2]
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} > max_seq_len {self.cfg.max_seq_len}")
+        x = self.tok_emb(idx) if input_embeds is None else input_embeds
+        device = x.device
+        mask_info = self._mask_info(T, device)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        for block in self.blocks:
+            x = block(x, cos, sin, mask_info)
+        return self.norm(x)
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.lm_weight.to(h.dtype).t()
+
+    def forward(self, idx: torch.Tensor, return_concepts: bool = False):
+        """Logits (B, T, V) for every position; with ``return_concepts`` also the
+        ConceptOutput over the flattened B*T positions (None for non-concept families)."""
+        h = self.hidden(idx)
+        co = None
+        if self.concept is not None:
+            B, T, d = h.shape
+            co = self.concept(h.reshape(B * T, d))
+            h = co.h_bar.view(B, T, d)
+        logits = self.lm_logits(h)
+        return (logits, co) if return_concepts else logits
+
+    # -- concept attribution
+    @torch.no_grad()
+    def decompose(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
+                  tokens: torch.Tensor | None = None, atol: float = 1e-4) -> Decomposition:
+        """Exact logit decomposition for sequence ``idx`` (1, T) or (B, T).
+
+        positions: (P, 2) [batch, pos] pairs or None for all; tokens: (P,) token to explain
+        per position (default: the argmax). Computed in fp32; raises if the parts do not sum
+        to the model's logit within ``atol``.
+        """
+        if self.concept is None:
+            raise ValueError(f"family {self.cfg.family!r} has no concept module")
+        h = self.hidden(idx).float()
+        B, T, d = h.shape
+        flat = h.reshape(B * T, d)
+        if positions is not None:
+            flat = flat[positions[:, 0] * T + positions[:, 1]]
+        co = self.concept(flat)
+        W = self.lm_weight.float()
+        logits = co.h_bar @ W.t()
+        if tokens is None:
+            tokens = logits.argmax(-1)
+        Wy = W[tokens]  # (P, d)
+        logit = logits.gather(1, tokens[:, None]).squeeze(1)
+        known = co.known_w * torch.einsum("pkd,pd->pk", self.concept.known_emb[co.known_idx].float(), Wy)
+        unknown = (co.u_hat * Wy).sum(-1)
+        residual = (co.eps * Wy).sum(-1)
+        err = (known.sum(-1) + unknown + residual - logit).abs().max().item() if logit.numel() else 0.0
+        if err > atol:
+            raise AssertionError(f"logit decomposition error {err:.3g} > atol {atol}")
+        return Decomposition(tokens, logit, co.known_idx, known, unknown, residual, err)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

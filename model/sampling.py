@@ -1,0 +1,96 @@
+"""Generation: block-wise diffusion sampling (CDLM families) and ordinary AR sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from model.config import EOS_ID
+
+
+def _forbid_specials(logits: torch.Tensor, cfg) -> torch.Tensor:
+    # [MASK] and [PAD] are never emitted; they are inputs, not outputs.
+    logits = logits.clone()
+    logits[..., cfg.mask_token_id] = float("-inf")
+    logits[..., cfg.pad_token_id] = float("-inf")
+    return logits
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token and its probability (the confidence). Gumbel-max in float64 when sampling."""
+    logits = logits.double()
+    if temperature <= 0:
+        probs = logits.softmax(-1)
+        conf, tok = probs.max(-1)
+        return tok, conf
+    scaled = logits / temperature
+    u = torch.rand(scaled.shape, generator=generator, dtype=torch.float64, device=scaled.device)
+    gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0)))
+    tok = (scaled + gumbel).argmax(-1)
+    conf = scaled.softmax(-1).gather(-1, tok[..., None]).squeeze(-1)
+    return tok, conf
+
+
+def commit_schedule(n_masked: int, steps: int) -> list[int]:
+    """Linear schedule: how many tokens to commit at each of ``steps`` steps (sums to n)."""
+    steps = max(1, min(steps, n_masked))
+    return [n_masked // steps + (1 if i < n_masked % steps else 0) for i in range(steps)]
+
+
+@torch.no_grad()
+def diffusion_generate(model, prompt: torch.Tensor, max_new_tokens: int, steps_per_block: int | None = None,
+                       temperature: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Block-wise masked-diffusion decoding.
+
+    Append [MASK] x max_new_tokens; for each block in order, repeat: run the model on the
+    sequence up to the block's end (block-causal attention makes later positions
+    irrelevant), predict every still-masked position, commit the most confident ones
+    (count from a linear schedule); move on when the block is full.
+    """
+    cfg = model.cfg
+    prompt = prompt.view(1, -1) if prompt.dim() == 1 else prompt
+    B, P = prompt.shape
+    total = P + max_new_tokens
+    if total > cfg.max_seq_len:
+        raise ValueError(f"prompt + new tokens = {total} > max_seq_len {cfg.max_seq_len}")
+    x = torch.cat([prompt, prompt.new_full((B, max_new_tokens), cfg.mask_token_id)], dim=1)
+    bs = cfg.block_size
+    for start in range((P // bs) * bs, total, bs):
+        end = min(start + bs, total)
+        n_masked = int((x[0, start:end] == cfg.mask_token_id).sum())
+        for n_commit in commit_schedule(n_masked, steps_per_block or bs):
+            logits = _forbid_specials(model(x[:, :end])[:, start:end].float(), cfg)
+            tok, conf = _pick(logits, temperature, generator)
+            masked = x[:, start:end] == cfg.mask_token_id
+            conf = conf.masked_fill(~masked, -1.0)
+            pick = conf.topk(n_commit, dim=-1).indices
+            block = x[:, start:end]
+            block.scatter_(1, pick, tok.gather(1, pick))
+    return x
+
+
+@torch.no_grad()
+def ar_generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                generator: torch.Generator | None = None, stop_at_eos: bool = False) -> torch.Tensor:
+    """Left-to-right sampling (no KV cache: each step re-runs the context window)."""
+    cfg = model.cfg
+    x = prompt.view(1, -1) if prompt.dim() == 1 else prompt
+    for _ in range(max_new_tokens):
+        logits = _forbid_specials(model(x[:, -cfg.max_seq_len:])[:, -1].float(), cfg)
+        tok, _ = _pick(logits, temperature, generator)
+        x = torch.cat([x, tok[:, None]], dim=1)
+        if stop_at_eos and bool((tok == EOS_ID).all()):
+            break
+    return x
+
+
+def generate(model, prompt: torch.Tensor, max_new_tokens: int, **kw) -> torch.Tensor:
+    """Dispatch on the family: diffusion sampling for CDLM, AR sampling otherwise."""
+    was = model.training
+    model.eval()
+    try:
+        if model.cfg.is_diffusion:
+            return diffusion_generate(model, prompt, max_new_tokens, **kw)
+        kw.pop("steps_per_block", None)
+        return ar_generate(model, prompt, max_new_tokens, **kw)
+    finally:
+        model.train(was)

