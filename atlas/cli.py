@@ -68,6 +68,18 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _query(args: argparse.Namespace) -> int:
+    import polars as pl
+
+    from atlas import query
+    from atlas.config import StorageConfig
+
+    df = query.sql(args.output, args.sql, StorageConfig(s3_endpoint=args.s3_endpoint))
+    with pl.Config(tbl_rows=args.limit, fmt_str_lengths=80):
+        print(df.head(args.limit) if not args.csv else df.write_csv())
+    return 0
+
+
 def _schemas(args: argparse.Namespace) -> int:
     from atlas import schemas
 
@@ -102,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--s3-endpoint", help="S3 endpoint override")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_status)
+
+    q = sub.add_parser("query", help="run SQL over a run's tables, e.g. \"SELECT tag, count(*) FROM tag_judge_by_tag ...\"")
+    q.add_argument("output", help="the run's output root URI")
+    q.add_argument("sql")
+    q.add_argument("--s3-endpoint", help="S3 endpoint override")
+    q.add_argument("--limit", type=int, default=20)
+    q.add_argument("--csv", action="store_true", help="print all rows as CSV")
+    q.set_defaults(func=_query)
 
     m = sub.add_parser("prepare-model", help="convert packaged GGUF models to cached Hugging Face directories")
     m.add_argument("models", nargs="*", default=["gemma3-270m"], help="embedded model names or HF paths")

@@ -149,11 +149,7 @@ def vllm_backend(gemma_dir):
 
     be = VLLMBackend(gemma_dir, small_engine_cfg(max_model_len=1024))
     yield be
-    try:
-        be.llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001
-        pass
-    del be
+    be.close()
 
 
 @pytest.mark.slow

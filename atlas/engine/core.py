@@ -80,6 +80,9 @@ class Backend:
     def generate(self, prompts: Sequence[str], sampling: Sampling) -> list[Result]:  # pragma: no cover
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release the engine (processes, memory). Safe to call twice."""
+
     def prompt_token_ids(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt)["input_ids"]  # type: ignore[attr-defined]
 
@@ -129,6 +132,15 @@ class VLLMBackend(Backend):
         self.llm = LLM(**kwargs)
         self.load_seconds = time.perf_counter() - t0
         self.tokenizer = self.llm.get_tokenizer()
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+            self.llm = None
 
     def _params(self, sampling: Sampling):
         from vllm import SamplingParams

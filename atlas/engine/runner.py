@@ -43,6 +43,7 @@ class EngineActor:
     def __init__(self, model_dir: str, engine_cfg: dict[str, Any]):
         cfg = EngineConfig.model_validate(engine_cfg)
         self.backend = make_backend(model_dir, cfg)
+        self.ready_at = time.time()  # wall clock when the engine was ready (benchmarks)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         prompts = [str(p) for p in batch["prompt"]]
@@ -67,6 +68,7 @@ class EngineActor:
             "finish_reason": [r.finish_reason for r in results],  # type: ignore[union-attr]
             "error": [r.error for r in results],  # type: ignore[union-attr]
             "permanent": [bool(r.permanent) for r in results],  # type: ignore[union-attr]
+            "actor_ready_at": [self.ready_at] * len(results),
         }
 
 
@@ -104,6 +106,8 @@ class GenerationStats:
     engine_started: bool = False
     seconds: float = 0.0
     engine_seconds: float = 0.0
+    engine_ready_at: float | None = None  # wall clock when the first engine actor was ready
+    finished_at: float | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -175,6 +179,9 @@ def generate(
         ).to_arrow_refs()
         new_rows = pa.concat_tables(ray.get(out)).to_pylist() if out else []
         stats.engine_seconds = time.perf_counter() - t1
+        stats.finished_at = time.time()
+        ready = [r.get("actor_ready_at") for r in new_rows if r.get("actor_ready_at")]
+        stats.engine_ready_at = min(ready) if ready else None
         fresh = []
         for r in new_rows:
             rows[r["request_hash"]] = r
