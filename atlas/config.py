@@ -105,7 +105,10 @@ class JudgeConfig(_Section):
     enabled: bool = True
     sample_chunks: int | None = Field(default=200, ge=1, description="Judge tags of at most N chunks (None: all).")
     max_new_tokens: int = Field(default=8, ge=1)
-    model: str | None = Field(default=None, description="Judge model (same forms as engine.model); None: engine.model.")
+    model: str | None = Field(
+        default="embedded:smollm2-135m-instruct",
+        description="Judge model (same forms as engine.model); None: engine.model. Default: the instruction-tuned model (the Gemma 270M base model rates every pair 1).",
+    )
 
 
 class RunConfig(_Section):

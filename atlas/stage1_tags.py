@@ -12,6 +12,7 @@ and does not start the engine.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import re
@@ -177,9 +178,12 @@ def judge_tags(root: Location, cfg: RunConfig) -> dict:
     jc = cfg.judge
     engine = Engine(cfg.engine, model=jc.model)
     tags = storage.read_table(root, "chunk_tags", columns=["chunk_id", "tags", "error"])
-    tags = tags.filter(pc.is_null(tags.column("error"))).sort_by("chunk_id")
-    if jc.sample_chunks is not None:
-        tags = tags.slice(0, jc.sample_chunks)
+    tags = tags.filter(pc.is_null(tags.column("error")))
+    if jc.sample_chunks is not None and tags.num_rows > jc.sample_chunks:
+        # A deterministic sample spread over documents: the chunks with the smallest hash.
+        order = sorted(range(tags.num_rows), key=lambda i: hashlib.sha256(tags.column("chunk_id")[i].as_py().encode()).hexdigest())
+        tags = tags.take(sorted(order[: jc.sample_chunks]))
+    tags = tags.sort_by("chunk_id")
     chunk_ids = set(tags.column("chunk_id").to_pylist())
     chunks = _read_chunks(root, None)
     text_of = {c: t for c, t in zip(chunks.column("chunk_id").to_pylist(), chunks.column("text").to_pylist()) if c in chunk_ids}

@@ -5,8 +5,8 @@ Used by the scaling toolkit, so the definitions are fixed here once:
 * ``embedding``      token embedding table (plus the LM head if untied).
 * ``backbone``       transformer blocks + final norm (Table 24 "Backbone params").
 * ``concept``        every concept-module parameter.
-* ``concept_heads``  the parts applied densely to every token: known head f, unknown head g
-                     and the rank-R basis of U. The per-concept tables K and coef are only
+* ``concept_heads``  the parts applied densely to every token: known head f (d x n), the
+                     rank-R unknown head g (d x R, R x m) and the rank-R basis of U. The per-concept tables K and coef are only
                      read at the top-k active rows (lookups), like an embedding.
 * ``non_embedding``  backbone + concept_heads: the P of the scaling fits (Table 24
                      "+Concept total params" counts the heads, not the factorised tables).
@@ -29,7 +29,7 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     heads = tables = 0
     if cfg.has_concepts:
         n, m, R = cfg.n_known, cfg.n_unknown, cfg.unknown_rank
-        heads = (d * n + n) + (d * m + m) + R * d
+        heads = (d * n + n) + (d * R + R * m + m) + R * d
         tables = n * d + m * R
     return {
         "total": embedding + backbone + heads + tables,

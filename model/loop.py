@@ -22,7 +22,7 @@ from model.corpus import PackedData, pack, read_documents, sections_of
 from model.flops import count_params, train_flops
 from model.io import save_pretrained
 from model.labels import StandInLabeller
-from model.metrics import evaluate
+from model.metrics import evaluate, known_concept_alignment
 from model.modeling import Steerling
 from model.objectives import compute_losses
 from model.tokenizer import train_tokenizer
@@ -80,7 +80,8 @@ def train_step(model, optimizer, batch: dict, tcfg: TrainConfig, step: int, tota
     out["loss"].backward()
     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip) if tcfg.grad_clip else None
     optimizer.step()
-    res = {k: float(v) for k, v in out.items() if isinstance(v, (torch.Tensor, float, int))}
+    res = {k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
+           for k, v in out.items() if isinstance(v, (torch.Tensor, float, int))}
     res["lr"] = lr
     if gnorm is not None:
         res["grad_norm"] = float(gnorm)
@@ -223,6 +224,10 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, corpus, out_dir: str |
     names = [labeller.display_name(i) for i in range(labeller.n_concepts)] if labeller else None
     if names is not None:
         names = names + [""] * (model_cfg.n_known - len(names))  # unused known slots
+    if names is not None and any(names):
+        kca = known_concept_alignment(model, tokenizer, names)
+        final["known_concept_alignment"] = kca["proxy_score"]  # automatic proxy on the 1-5 scale
+        final["known_concept_alignment_hit_at_20"] = kca["hit_at_k"]
     ckpt_dir = tcfg.checkpoint_dir or (str(Path(out_dir) / "checkpoint") if out_dir else None)
     if ckpt_dir:
         save_pretrained(model, ckpt_dir, tokenizer, names, metadata={"steps": total, "tokens": tokens})

@@ -50,23 +50,29 @@ def rope_tables(head_dim: int, max_len: int, base: float) -> tuple[torch.Tensor,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, H, T, hd); rotate-half convention on the two halves of each head."""
+    """x: (B, T, H, hd); cos/sin: (T, hd/2). Rotate-half convention on the two halves of
+    each head; applied in (B, T, H, hd) layout, where x is contiguous (cheaper on CPU)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
-_flex_fn = None
+_flex_compiled = None
 
 
 def _flex_attention(q, k, v, block_mask):
-    global _flex_fn
+    """flex_attention with the block-sparse mask: compiled on CUDA (the fast path, skips
+    fully masked tiles); eager elsewhere (a reference path, used by the CPU tests)."""
+    global _flex_compiled
     from torch.nn.attention.flex_attention import flex_attention
 
-    if _flex_fn is None:  # compiled once per process; flex is only fast when compiled
-        _flex_fn = torch.compile(flex_attention, dynamic=False)
-    return _flex_fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    fn = flex_attention
+    if q.is_cuda:
+        if _flex_compiled is None:
+            _flex_compiled = torch.compile(flex_attention, dynamic=False)
+        fn = _flex_compiled
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
@@ -80,11 +86,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask_info) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
-        q = self.q_norm(q.view(B, T, self.n_heads, self.hd)).transpose(1, 2)
-        k = self.k_norm(k.view(B, T, self.n_kv, self.hd)).transpose(1, 2)
-        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv(x).view(B, T, self.n_heads + 2 * self.n_kv, self.hd)
+        q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=2)
+        q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)
+        k = apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)
+        v = v.transpose(1, 2)
         kind, mask = mask_info
         if kind == "flex":
             y = _flex_attention(q, k, v, mask)
@@ -141,7 +147,9 @@ class ConceptOutput:
 
 
 class ConceptModule(nn.Module):
-    """Known head f + n embeddings K; unknown head g + m factorized embeddings U = coef @ basis."""
+    """Known head f (d -> n) + n embeddings K; unknown head g factorised d -> R -> m, and m
+    embeddings factorised U = coef (m x R) @ basis (R x d). With both unknown parts at rank
+    R the parameter count matches the paper's Table 24 "+Concept" totals (e.g. 5B: +313M)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -149,7 +157,8 @@ class ConceptModule(nn.Module):
         self.cfg = cfg
         self.known_head = nn.Linear(d, cfg.n_known)
         self.known_emb = nn.Parameter(torch.empty(cfg.n_known, d))
-        self.unknown_head = nn.Linear(d, cfg.n_unknown)
+        self.unknown_proj = nn.Linear(d, cfg.unknown_rank, bias=False)  # g = unknown_head . unknown_proj
+        self.unknown_head = nn.Linear(cfg.unknown_rank, cfg.n_unknown)
         self.unknown_coef = nn.Parameter(torch.empty(cfg.n_unknown, cfg.unknown_rank))
         self.unknown_basis = nn.Parameter(torch.empty(cfg.unknown_rank, d))
 
@@ -185,7 +194,7 @@ class ConceptModule(nn.Module):
             k_hat = teacher_weight * k_hat_teacher.to(k_hat_pred.dtype) + (1 - teacher_weight) * k_hat_pred
         # The unknown head explains what the known part leaves; it must not steer the backbone.
         c = cfg.concept_logit_clamp
-        u_logits = self.unknown_head(h.detach()).clamp(-c, c)
+        u_logits = self.unknown_head(self.unknown_proj(h.detach())).clamp(-c, c)
         u_idx, u_w = self._topk_sigmoid(u_logits, cfg.topk_unknown)
         u_low = F.embedding_bag(u_idx, self.unknown_coef, per_sample_weights=u_w.to(self.unknown_coef.dtype),
                                 mode="sum")

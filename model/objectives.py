@@ -68,8 +68,10 @@ def chunk_log_not(known_logits: torch.Tensor, chunk_ids: torch.Tensor, n_chunks:
     """
     flat_ids = chunk_ids.reshape(-1)
     z = known_logits.reshape(flat_ids.shape[0], -1).float()
-    keep = flat_ids >= 0
     S = torch.zeros(n_chunks, z.shape[1], device=z.device, dtype=z.dtype)
+    keep = flat_ids >= 0
+    if bool(keep.all()):  # the usual packed batch: skip the boolean-index copies
+        return S.index_add(0, flat_ids, F.softplus(z))
     return S.index_add(0, flat_ids[keep], F.softplus(z[keep]))
 
 

@@ -25,7 +25,9 @@ if [ ! -f "$stamp" ]; then
   rm -f "$VENV"/.atlas-deps-*
   touch "$stamp"
 else
-  "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v '^$' || true
+  log=$(mktemp)
+  "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . >"$log" 2>&1 || { cat "$log"; exit 1; }
+  rm -f "$log"
 fi
 # Convert the packaged GGUF model once (cached under ~/.cache/atlas/models).
 HF_HUB_OFFLINE=1 "$VENV/bin/atlas" prepare-model gemma3-270m >/dev/null

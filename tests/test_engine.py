@@ -79,6 +79,11 @@ def test_actor_resources_cpu_and_gpu():
     env = cpu["runtime_env"]["env_vars"]
     assert cpu["num_cpus"] == 1.0 and "num_gpus" not in cpu
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["OMP_NUM_THREADS"] == "2"
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == str(max(0, (os.cpu_count() or 1) - 2))
+    auto = actor_resources(EngineConfig(device="cpu"))["runtime_env"]["env_vars"]
+    assert "OMP_NUM_THREADS" not in auto and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in auto  # vLLM binds itself
+    hf = actor_resources(EngineConfig(device="cpu", backend="transformers", replicas=1))["runtime_env"]["env_vars"]
+    assert hf["OMP_NUM_THREADS"] == str(os.cpu_count() or 1)
     gpu = actor_resources(
         EngineConfig(device="gpu", tensor_parallel_size=2, gpus_per_replica=1.0, accelerator_type="A100", cpus_per_replica=4)
     )

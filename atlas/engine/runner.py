@@ -9,9 +9,11 @@ Uncached requests go through Ray Data: ``map_batches`` with :class:`EngineActor`
 class that owns one engine (``vllm.LLM`` or transformers) per actor, ``engine.replicas``
 actors in parallel. Resources per actor:
 
-* CPU: ``num_cpus=cpus_per_replica``; the engine's OMP thread count is ``cpu_threads``
-  (default host cores / replicas; Ray would otherwise pin OMP_NUM_THREADS to num_cpus), and
-  ``VLLM_CPU_KVCACHE_SPACE=kv_cache_gib``.
+* CPU: ``num_cpus=cpus_per_replica`` (a scheduling share; keep it fractional on small hosts),
+  ``VLLM_CPU_KVCACHE_SPACE=kv_cache_gib``. vLLM binds its own OMP threads ('auto': all cores
+  but one, which its scheduler keeps; measured fastest on 2 cores); ``cpu_threads`` overrides
+  that, and sets the torch thread count of the transformers backend (default: host cores /
+  replicas; Ray would otherwise leave OMP_NUM_THREADS at num_cpus).
 * GPU: ``num_gpus = gpus_per_replica * tensor_parallel_size`` (tensor parallelism inside one
   actor, vLLM's multiprocessing executor over the GPUs Ray assigned it, so one replica stays
   on one node), ``accelerator_type`` as a Ray scheduling constraint, and
@@ -42,7 +44,13 @@ class EngineActor:
 
     def __init__(self, model_dir: str, engine_cfg: dict[str, Any]):
         cfg = EngineConfig.model_validate(engine_cfg)
+        if cfg.device == "cpu" and cfg.backend == "transformers":
+            import torch
+
+            torch.set_num_threads(cpu_threads(cfg))
         self.backend = make_backend(model_dir, cfg)
+        # Warm-up: first-call costs (kernels, sampler set-up) belong to start-up, not to a batch.
+        self.backend.generate(["Warm-up."], Sampling(max_tokens=1))
         self.ready_at = time.time()  # wall clock when the engine was ready (benchmarks)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -72,6 +80,11 @@ class EngineActor:
         }
 
 
+def cpu_threads(cfg: EngineConfig) -> int:
+    """Compute threads of one CPU engine replica."""
+    return cfg.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.replicas)
+
+
 def actor_resources(cfg: EngineConfig) -> dict[str, Any]:
     """Ray resources and environment of one engine actor (see the module docstring)."""
     env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
@@ -85,9 +98,14 @@ def actor_resources(cfg: EngineConfig) -> dict[str, Any]:
         if cfg.accelerator_type:
             res["accelerator_type"] = cfg.accelerator_type
     else:
-        threads = cfg.cpu_threads or max(1, (os.cpu_count() or 1) // cfg.replicas)
+        threads = cpu_threads(cfg)
+        if cfg.backend == "transformers" or cfg.cpu_threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        if cfg.cpu_threads and cfg.backend == "vllm":
+            # vLLM binds its OMP threads itself ('auto': one core kept for its scheduler);
+            # an explicit thread count asks for that many cores.
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(max(0, (os.cpu_count() or 1) - threads))
         env.update(
-            OMP_NUM_THREADS=str(threads),
             VLLM_CPU_KVCACHE_SPACE=str(max(1, int(round(cfg.kv_cache_gib)))),
             VLLM_WORKER_MULTIPROC_METHOD="spawn",
         )
@@ -168,7 +186,10 @@ def generate(
         stats.engine_started = True
         t1 = time.perf_counter()
         res = actor_resources(cfg)
-        ds = ray.data.from_arrow(miss).repartition(max(1, min(len(idx) // max(cfg.batch_size, 1) + 1, 4 * cfg.replicas)))
+        # Blocks of ~batch_size rows: one engine call sees a full batch (vLLM schedules up to
+        # max_num_seqs of them at once); at least one block per replica.
+        n_blocks = max(cfg.replicas, -(-len(idx) // cfg.batch_size))
+        ds = ray.data.from_arrow(miss).repartition(n_blocks)
         out = ds.map_batches(
             EngineActor,
             fn_constructor_kwargs={"model_dir": model_dir, "engine_cfg": cfg.model_dump()},

@@ -11,7 +11,10 @@ Procedure (Hoffmann et al. 2022, as replicated by Besiroglu et al. 2024):
 
 Speed: the objective is first evaluated at every grid point (vectorised), and L-BFGS
 is run from the ``n_refine`` best starts (``n_refine=None`` runs all of them, the
-literal published procedure).  Each bootstrap resample is warm-started from the
+literal published procedure) with loose tolerances, and the 4 best results are polished
+to tight tolerances.  L-BFGS-B works inside a wide box (``BOUNDS``: exponents in [0, 4],
+log-coefficients in [-30, 80], e in [-10, 10]) that is inactive at the published optimum
+but keeps ill-posed tables (a handful of runs) from diverging.  Each bootstrap resample is warm-started from the
 point estimate (plus optional extra starts) and resamples are spread over worker
 processes.  The objective is the *mean* Huber loss divided by delta, which has the
 same minimiser as the published sum and lets tight tolerances be used.
@@ -28,7 +31,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import minimize
 
-from .bootstrap import parallel_chunks, percentile_ci, resample_weights
+from .bootstrap import parallel_chunks, percentile_ci, resample_weights, single_thread_blas
 
 __all__ = ["ChinchillaFit", "fit_chinchilla", "chinchilla_loss", "default_init_grid"]
 
@@ -92,13 +95,30 @@ def _objective_grid(thetas: np.ndarray, logN, logD, logL, delta: float) -> np.nd
     return h.mean(axis=1) / delta
 
 
-def _lbfgs(theta0: np.ndarray, args: tuple, maxiter: int = 2000) -> tuple[np.ndarray, float]:
-    res = minimize(_objective, theta0, args=args, jac=True, method="L-BFGS-B",
-                   options={"maxiter": maxiter, "ftol": 1e-15, "gtol": 1e-10, "maxcor": 20})
+# Box on theta = (a, b, e, alpha, beta): inactive at sensible optima (the Chinchilla data
+# ends far inside it) but stops L-BFGS wandering off on ill-posed tables (few runs, flat
+# losses), where unbounded a, alpha -> infinity would burn the iteration budget.
+BOUNDS = ((-30.0, 80.0), (-30.0, 80.0), (-10.0, 10.0), (0.0, 4.0), (0.0, 4.0))
+
+
+def _lbfgs(theta0: np.ndarray, args: tuple, maxiter: int = 1000,
+           tight: bool = True) -> tuple[np.ndarray, float]:
+    opts = ({"maxiter": maxiter, "ftol": 1e-15, "gtol": 1e-10, "maxcor": 20} if tight else
+            {"maxiter": maxiter, "ftol": 1e-11, "gtol": 1e-8, "maxcor": 20})
+    x0 = np.clip(theta0, [b[0] for b in BOUNDS], [b[1] for b in BOUNDS])
+    res = minimize(_objective, x0, args=args, jac=True, method="L-BFGS-B", bounds=BOUNDS,
+                   options=opts)
     return res.x, float(res.fun)
 
 
-def _best_of(starts: np.ndarray, args: tuple) -> tuple[np.ndarray, float]:
+def _best_of(starts: np.ndarray, args: tuple, polish: int = 0) -> tuple[np.ndarray, float]:
+    """Best L-BFGS result over ``starts``; with ``polish`` > 0 a cheap loose pass over all
+    starts first, then the ``polish`` best are re-run to tight tolerance."""
+    if polish > 0 and len(starts) > polish:
+        loose = [(_lbfgs(th, args, maxiter=300, tight=False)) for th in starts]
+        loose = [(x, f) for x, f in loose if np.all(np.isfinite(x)) and math.isfinite(f)]
+        loose.sort(key=lambda t: t[1])
+        starts = np.array([x for x, _ in loose[:polish]]) if loose else starts[:polish]
     best_x, best_f = None, math.inf
     for th in starts:
         x, f = _lbfgs(th, args)
@@ -160,6 +180,9 @@ class ChinchillaFit:
         """
         p = self.params
         C = np.asarray(flops, dtype=np.float64) / flops_per_param_token
+        if not (p["alpha"] > 0 and p["beta"] > 0):  # degenerate fit: no interior optimum
+            nan = np.full(C.shape, np.nan)
+            return nan, nan
         G = (p["alpha"] * p["A"] / (p["beta"] * p["B"])) ** (1.0 / (p["alpha"] + p["beta"]))
         a = p["beta"] / (p["alpha"] + p["beta"])
         N = G * C ** a
@@ -167,6 +190,7 @@ class ChinchillaFit:
 
     def to_dict(self) -> dict[str, Any]:
         a, b = self.params["alpha"], self.params["beta"]
+        ab = a + b if a + b > 0 else math.nan
         return {
             "model": "L(N,D) = E + A/N^alpha + B/D^beta",
             "params": self.params,
@@ -178,7 +202,7 @@ class ChinchillaFit:
             "huber_delta": self.delta,
             "objective": self.objective,
             "r2_log_loss": self.r2_log,
-            "compute_optimal_exponents": {"a_N": b / (a + b), "b_D": a / (a + b)},
+            "compute_optimal_exponents": {"a_N": b / ab, "b_D": a / ab},
             "fit_seconds": self.fit_seconds,
         }
 
@@ -213,7 +237,8 @@ def fit_chinchilla(params, tokens, loss, *, delta: float = 1e-3, n_bootstrap: in
     order = np.argsort(scores)
     starts = grid[order if n_refine is None else order[: max(1, n_refine)]]
     w1 = np.ones_like(logN)
-    theta, fval = _best_of(starts, (logN, logD, logL, w1, delta))
+    with single_thread_blas():
+        theta, fval = _best_of(starts, (logN, logD, logL, w1, delta), polish=4)
     if theta is None:
         raise RuntimeError("joint fit failed from every initialisation")
     point = _theta_to_params(theta)

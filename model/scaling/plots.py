@@ -118,7 +118,7 @@ def plot_surface(ff: "FamilyFits", path: Path) -> Path | None:
     ax = fig.add_subplot(1, 2, 1)
     cs = ax.contourf(GN, GD, np.log(Z), levels=20, cmap="viridis")
     fig.colorbar(cs, ax=ax, label="log L(P, D) fitted")
-    ax.scatter(N, D, c=np.log(L), cmap="viridis", edgecolors="white", s=16,
+    ax.scatter(N, D, c=np.log(L), cmap="viridis", edgecolors="k", linewidths=0.4, s=18,
                vmin=cs.get_clim()[0], vmax=cs.get_clim()[1])
     C = 6 * N * D
     Cg = np.logspace(np.log10(C.min()), np.log10(C.max()), 50)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from .bootstrap import single_thread_blas
 from .extrapolate import extrapolate
 from .isoflop import IsoFLOPFit, fit_isoflop
 from .joint import ChinchillaFit, fit_chinchilla
@@ -256,7 +257,8 @@ def fit_scaling(runs: pl.DataFrame, *, exclude_highest_loss: int = 0,
         if holdout_params_above is not None:
             held = g.filter(pl.col("params") > holdout_params_above)
             g = g.filter(pl.col("params") <= holdout_params_above)
-        ff = _fit_family(fam, g, opt, metrics)
+        with single_thread_blas():
+            ff = _fit_family(fam, g, opt, metrics)
         families[fam] = ff
         tg = []
         if held is not None and held.height:

@@ -34,6 +34,7 @@ __all__ = [
     "REQUIRED_COLUMNS",
     "COLUMN_ALIASES",
     "read_runs",
+    "read_targets",
     "normalize_runs",
     "exclude_highest_loss",
     "write_table",
@@ -57,6 +58,8 @@ _NON_METRIC = {
     "params_embedding", "params_concept", "n_layers", "d_model", "n_heads",
     "attempts", "seed", "x", "y", "color", "hex_color", "shape", "size_index",
     "budget_index", "flops_per_token", "seq_len", "batch_size", "steps", "lr",
+    "params_total", "train_s", "prep_s", "tokens_per_s", "flops_6nd", "flops_ratio",
+    "target_params", "val_loss", "grad_norm",
 }
 
 
@@ -137,6 +140,26 @@ def read_runs(path: str | Path) -> pl.DataFrame:
     except Exception as exc:
         raise RunsTableError(f"{p}: cannot read table ({exc})") from exc
     return normalize_runs(df, source=str(p))
+
+
+def read_targets(path: str | Path) -> pl.DataFrame:
+    """Read a targets table for extrapolation: ``params`` and ``tokens`` or ``flops``
+    (C = 6 N D fills the other); ``loss`` / metric columns, when present, are actuals."""
+    p = Path(path)
+    if not p.exists():
+        raise RunsTableError(f"targets table not found: {p}")
+    df = pl.read_parquet(p) if p.suffix.lower() in (".parquet", ".pq") else pl.read_csv(p)
+    df = _rename_aliases(df)
+    if "params" not in df.columns or ("tokens" not in df.columns and "flops" not in df.columns):
+        raise RunsTableError(f"{p}: targets need columns params and tokens (or flops); "
+                             f"found: {', '.join(df.columns)}")
+    df = df.with_columns([pl.col(c).cast(pl.Float64) for c in ("params", "tokens", "flops")
+                          if c in df.columns])
+    if "tokens" not in df.columns:
+        df = df.with_columns((pl.col("flops") / (6.0 * pl.col("params"))).alias("tokens"))
+    if "flops" not in df.columns:
+        df = df.with_columns((6.0 * pl.col("params") * pl.col("tokens")).alias("flops"))
+    return df
 
 
 def exclude_highest_loss(df: pl.DataFrame, n: int) -> pl.DataFrame:
