@@ -130,12 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("schemas", help="print the tables' schemas as Markdown")
     sc.set_defaults(func=_schemas)
 
-    try:
-        from atlas import cli_scaling
-    except ImportError:
-        cli_scaling = None
-    if cli_scaling is not None:
-        cli_scaling.add_commands(sub)
+    from atlas import cli_scaling
+
+    cli_scaling.add_commands(sub)
     return p
 
 

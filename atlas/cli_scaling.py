@@ -93,7 +93,8 @@ def _summary(report) -> str:
         if ff.joint:
             j = ff.joint
             lines.append("joint L(P,D) = E + A/P^alpha + B/D^beta: " + ", ".join(
-                f"{k}={_fmt(j.params[k], j.ci[k])}" for k in ("E", "A", "B", "alpha", "beta")))
+                f"{k}={_fmt(j.params[k], j.ci[k])}" for k in ("E", "A", "B", "alpha", "beta"))
+                + (f" (at bounds: {', '.join(j.at_bounds)})" if j.at_bounds else ""))
         if ff.isoflop:
             q = ff.isoflop
             lines.append("isoflop: " + ", ".join(
@@ -103,7 +104,8 @@ def _summary(report) -> str:
             for kind, f in d.items():
                 if f is not None:
                     lines.append(f"{m} [{f.formula}]: " + ", ".join(
-                        f"{k}={_fmt(v, f.ci[k])}" for k, v in f.params.items()) + f", R2={f.r2:.3f}")
+                        f"{k}={_fmt(v, f.ci[k])}" for k, v in f.params.items()) + f", R2={f.r2:.3f}"
+                        + (f" (at bounds: {', '.join(f.at_bounds)})" if f.at_bounds else ""))
         for k, v in ff.errors.items():
             lines.append(f"(skipped {k}: {v})")
     if report.extrapolation is not None and report.extrapolation.height:

@@ -138,6 +138,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the concept-count sweep")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -174,8 +175,8 @@ def main() -> None:
         del runners
 
     print("\nconcept-module overhead vs concept counts (25M backbone, top-k known/unknown 32/128, rank 256)")
-    counts = [(500, 1500), (2000, 6000), (8000, 24000)]
-    if not args.quick:
+    counts = [] if args.no_sweep else [(500, 1500), (2000, 6000), (8000, 24000)]
+    if not args.quick and not args.no_sweep:
         counts.append((33732, 101196))  # the paper's library size
     print("  n_known  n_unknown  concept_params  step_s  overhead(wall)  overhead(cpu)")
     for n, m in counts:

@@ -96,7 +96,7 @@ def main() -> None:
         res = be.generate(ps, sampling)
         dt = time.perf_counter() - t0
         errs = sum(r.error is not None for r in res)
-        rows.append(("a) bare vLLM LLM.generate", dt, len(ps), sum(r.output_tokens or 0 for r in res), load, errs))
+        rows.append(("a) bare vLLM LLM.generate", dt, len(ps), sum(r.output_tokens or 0 for r in res), load, errs, os.getloadavg()[0]))
         be.close()
         del be
         print(f"  a) done in {dt:.1f}s (load {load:.1f}s)", flush=True)
@@ -116,8 +116,9 @@ def main() -> None:
         e2e = time.perf_counter() - t0
         steady = (st.finished_at - st.engine_ready_at) if st.engine_ready_at else e2e
         load = (st.engine_ready_at - wall0) if st.engine_ready_at else float("nan")
-        rows.append(("b) vLLM in Ray Data (steady)", steady, len(ps), st.output_tokens, load, st.errors))
-        rows.append(("b) vLLM in Ray Data (end-to-end)", e2e, len(ps), st.output_tokens, 0.0, st.errors))
+        la = os.getloadavg()[0]
+        rows.append(("b) vLLM in Ray Data (steady)", steady, len(ps), st.output_tokens, load, st.errors, la))
+        rows.append(("b) vLLM in Ray Data (end-to-end)", e2e, len(ps), st.output_tokens, 0.0, st.errors, la))
         ray.shutdown()
         print(f"  b) done: e2e {e2e:.1f}s, steady {steady:.1f}s", flush=True)
 
@@ -135,22 +136,24 @@ def main() -> None:
             hf.generate(sub[:2], sampling)  # warm-up
             t0 = time.perf_counter()
             res = hf.generate(sub, sampling)
-            sweep[bs] = (time.perf_counter() - t0, res)
-            print(f"  c) sweep batch_size={bs}: {len(sub) / sweep[bs][0]:.3f} chunks/s", flush=True)
+            sweep[bs] = (time.perf_counter() - t0, res, os.getloadavg()[0])
+            print(f"  c) sweep batch_size={bs}: {len(sub) / sweep[bs][0]:.3f} chunks/s (load avg {sweep[bs][2]:.1f})", flush=True)
         best = min(sweep, key=lambda b: sweep[b][0])
-        dt, res = sweep[best]
-        rows.append((f"c) transformers generate (bs={best})", dt, len(sub), sum(r.output_tokens or 0 for r in res), load, sum(r.error is not None for r in res)))
+        dt, res, la = sweep[best]
+        rows.append((f"c) transformers generate (bs={best})", dt, len(sub), sum(r.output_tokens or 0 for r in res), load, sum(r.error is not None for r in res), la))
 
     print()
     if ntok_prompt:
         print(f"mean prompt length: {ntok_prompt:.0f} tokens (few-shot preamble + chunk)")
-    hdr = f"{'path':38s} {'seconds':>8s} {'chunks/s':>9s} {'out tok/s':>10s} {'out tok':>8s} {'load s':>7s} {'errors':>6s}"
+    hdr = f"{'path':38s} {'seconds':>8s} {'chunks':>6s} {'chunks/s':>9s} {'out tok/s':>10s} {'out tok':>8s} {'load s':>7s} {'errors':>6s} {'loadavg':>7s}"
     print(hdr)
     print("-" * len(hdr))
     rate = {}
-    for name, dt, n, tok, load, errs in rows:
+    for name, dt, n, tok, load, errs, la in rows:
         rate[name[:2]] = rate.get(name[:2]) or (n / dt, tok / dt)
-        print(f"{name:38s} {dt:8.2f} {n / dt:9.2f} {tok / dt:10.1f} {tok:8d} {load:7.1f} {errs:6d}")
+        print(f"{name:38s} {dt:8.2f} {n:6d} {n / dt:9.2f} {tok / dt:10.1f} {tok:8d} {load:7.1f} {errs:6d} {la:7.1f}")
+    print("(loadavg: 1-minute load average at the end of each phase; above the core count means other")
+    print(" processes shared the CPUs and the figures are pessimistic)")
     print()
     if "a)" in rate and "c)" in rate:
         print(f"bare vLLM / transformers baseline (chunks/s): {rate['a)'][0] / rate['c)'][0]:.2f}x   (target >= 5x)")

@@ -193,9 +193,11 @@ class ConceptModule(nn.Module):
         if k_hat_teacher is not None and teacher_weight > 0:
             k_hat = teacher_weight * k_hat_teacher.to(k_hat_pred.dtype) + (1 - teacher_weight) * k_hat_pred
         # The unknown head explains what the known part leaves; it must not steer the backbone.
+        # clamp is monotone, so clamping only the k selected logits equals top-k of the
+        # clamped logits and saves two dense passes over the (N, m) unknown logits
         c = cfg.concept_logit_clamp
-        u_logits = self.unknown_head(self.unknown_proj(h.detach())).clamp(-c, c)
-        u_idx, u_w = self._topk_sigmoid(u_logits, cfg.topk_unknown)
+        u_val, u_idx = self.unknown_head(self.unknown_proj(h.detach())).topk(cfg.topk_unknown, dim=-1)
+        u_w = torch.sigmoid(u_val.float().clamp(-c, c))
         u_low = F.embedding_bag(u_idx, self.unknown_coef, per_sample_weights=u_w.to(self.unknown_coef.dtype),
                                 mode="sum")
         u_hat = u_low @ self.unknown_basis

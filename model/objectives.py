@@ -96,9 +96,9 @@ def independence_loss(k_hat: torch.Tensor, u_hat: torch.Tensor) -> torch.Tensor:
     N, d = k_hat.shape
     if N < 2:
         return k_hat.new_zeros(())
-    kc = k_hat.float() - k_hat.float().mean(0)
-    uc = u_hat.float() - u_hat.float().mean(0)
-    cov = kc.t() @ uc / (N - 1)
+    kc = k_hat - k_hat.mean(0)
+    uc = u_hat - u_hat.mean(0)
+    cov = (kc.t() @ uc).float() / (N - 1)  # the (d x d) product runs in the autocast dtype
     return cov.pow(2).sum() / (d * d)
 
 

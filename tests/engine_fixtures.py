@@ -1,15 +1,13 @@
-"""Fixtures for the engine / Stage 1 tests: a real local Ray cluster and a small chunks table.
+"""Helpers and fixtures for the engine / Stage 1 tests: prepared models and a small chunks table.
 
-Imported by tests/test_engine.py and tests/test_stage1.py (``from tests.engine_fixtures import *``
-style imports of the fixture names), so they work whether or not tests/conftest.py exists.
+Imported by tests/test_engine.py and tests/test_stage1.py and the Stage 1 benchmark; the Ray
+cluster fixture (``ray_cluster``) is the session one in tests/conftest.py.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -53,32 +51,6 @@ def demo_chunks(n_docs: int = 4, per_doc: int = 2, max_chars: int = 600) -> pa.T
             if i >= per_doc:
                 break
     return schemas.conform(pa.Table.from_pylist(rows), schemas.CHUNKS)
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    import ray
-
-    if ray.is_initialized():  # someone else's session fixture started one: share it
-        yield ray
-        return
-    tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-    ray.init(
-        num_cpus=2,
-        object_store_memory=400 * 1024 * 1024,
-        include_dashboard=False,
-        _temp_dir=tmp,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}},
-    )
-    import ray.data
-
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from atlas import schemas, storage
 from atlas.config import JudgeConfig, RunConfig, Stage1Config
 from atlas.engine import prompts
 from atlas.stage1_tags import aggregate_judgements, normalize_tag, normalize_tags, parse_tags
-from tests.engine_fixtures import demo_chunks, ray_cluster, small_engine_cfg  # noqa: F401
+from tests.engine_fixtures import demo_chunks, small_engine_cfg  # ray_cluster comes from tests/conftest.py
 
 BAD_CHUNK = "zz-injected-00000"  # sorts last; its prompt exceeds max_model_len
 
@@ -69,7 +69,7 @@ def _checksum(tbl: pa.Table, drop=("cached",)) -> str:
 
 
 @pytest.fixture(scope="module")
-def stage1_run(ray_cluster, tmp_path_factory):  # noqa: F811
+def stage1_run(ray_cluster, tmp_path_factory):
     from atlas.stage1_tags import judge_tags, tag_chunks
 
     out = tmp_path_factory.mktemp("stage1")

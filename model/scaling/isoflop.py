@@ -60,8 +60,9 @@ def assign_budgets(flops: np.ndarray, budget: np.ndarray | None = None,
     return labels, values
 
 
-def _parabola(lnP: np.ndarray, L: np.ndarray, w: np.ndarray):
-    """Weighted fit L = a x^2 + b x + c; return (x*, L*, a) or None if not convex."""
+def _parabola(lnP: np.ndarray, L: np.ndarray, w: np.ndarray, interior: bool = True):
+    """Weighted fit L = a x^2 + b x + c; return (x*, L*, a), or None if not convex or
+    (``interior``) if the vertex lies outside the sampled sizes (an extrapolated minimum)."""
     use = w > 0
     if np.unique(lnP[use]).size < 3:
         return None
@@ -71,16 +72,18 @@ def _parabola(lnP: np.ndarray, L: np.ndarray, w: np.ndarray):
     if not a > 0:
         return None
     x = -b / (2 * a)
+    if interior and not (lnP[use].min() <= x <= lnP[use].max()):
+        return None
     return x, c - b * b / (4 * a), a
 
 
-def _chain(lnP, L, kpt, labels, values, w, irreducible, min_budgets=2):
+def _chain(lnP, L, kpt, labels, values, w, irreducible, min_budgets=2, interior=True):
     """One pass: per-budget minima then the exponents. Returns (minima, exps) arrays."""
     nb = values.size
     mins = np.full((nb, 3), np.nan)  # P*, D*, L*
     for g in range(nb):
         m = labels == g
-        r = _parabola(lnP[m], L[m], w[m])
+        r = _parabola(lnP[m], L[m], w[m], interior)
         if r is None:
             continue
         P = math.exp(r[0])
@@ -134,8 +137,14 @@ class IsoFLOPFit:
 
 def fit_isoflop(params, tokens, flops, loss, *, budget=None, n_bootstrap: int = 1000,
                 ci_level: float = 0.90, seed: int | None = 0,
-                irreducible: float | str | None = "fit", rel_tol: float = 0.15) -> IsoFLOPFit:
-    """IsoFLOP fit of a runs table (see module doc). ``budget``: optional nominal budgets."""
+                irreducible: float | str | None = "fit", rel_tol: float = 0.15,
+                require_interior: bool = True) -> IsoFLOPFit:
+    """IsoFLOP fit of a runs table (see module doc). ``budget``: optional nominal budgets.
+
+    ``require_interior``: a budget counts only if its parabola's vertex lies within the
+    sizes trained at that budget (otherwise the "optimum" is an extrapolation and the
+    grid should be widened); also applied to each bootstrap resample.
+    """
     N = np.asarray(params, dtype=np.float64)
     D = np.asarray(tokens, dtype=np.float64)
     C = np.asarray(flops, dtype=np.float64)
@@ -144,11 +153,13 @@ def fit_isoflop(params, tokens, flops, loss, *, budget=None, n_bootstrap: int = 
     lnP = np.log(N)
     kpt = C / (N * D)
     w1 = np.ones_like(L)
-    mins, exps, A_L = _chain(lnP, L, kpt, labels, values, w1, irreducible)
+    mins, exps, A_L = _chain(lnP, L, kpt, labels, values, w1, irreducible,
+                             interior=require_interior)
     ok = np.all(np.isfinite(mins), axis=1)
     if ok.sum() < 2:
+        why = " and its minimum inside the sampled sizes" if require_interior else ""
         raise ValueError(
-            f"IsoFLOP fit needs >= 2 budgets with >= 3 distinct sizes and a convex loss curve; "
+            f"IsoFLOP fit needs >= 2 budgets with >= 3 distinct sizes and a convex loss curve{why}; "
             f"got {int(ok.sum())} usable of {values.size} budget(s)")
     mode = ("fit" if (irreducible == "fit" and ok.sum() >= 4) else
             f"fixed={0.0 if irreducible in (None, 'fit') else float(irreducible)}")
@@ -162,7 +173,8 @@ def fit_isoflop(params, tokens, flops, loss, *, budget=None, n_bootstrap: int = 
         samples = np.full((n_bootstrap, len(names)), np.nan)
         bmins = np.full((n_bootstrap, values.size, 3), np.nan)
         for i, w in enumerate(wts):
-            m_i, e_i, a_i = _chain(lnP, L, kpt, labels, values, w, irreducible)
+            m_i, e_i, a_i = _chain(lnP, L, kpt, labels, values, w, irreducible,
+                                   interior=require_interior)
             samples[i, :6] = e_i
             samples[i, 6] = a_i
             bmins[i] = m_i

@@ -156,6 +156,7 @@ class ChinchillaFit:
     se: dict[str, float] = field(default_factory=dict)
     samples: np.ndarray | None = field(default=None, repr=False)  # (n_boot, 5) in PARAM_NAMES order
     fit_seconds: float = 0.0
+    at_bounds: list[str] = field(default_factory=list)  # parameters ending on the BOUNDS box
 
     def predict(self, params, tokens) -> np.ndarray:
         return chinchilla_loss(params, tokens, **self.params)
@@ -204,6 +205,7 @@ class ChinchillaFit:
             "r2_log_loss": self.r2_log,
             "compute_optimal_exponents": {"a_N": b / ab, "b_D": a / ab},
             "fit_seconds": self.fit_seconds,
+            "at_bounds": self.at_bounds,
         }
 
 
@@ -262,7 +264,10 @@ def fit_chinchilla(params, tokens, loss, *, delta: float = 1e-3, n_bootstrap: in
         for i, k in enumerate(PARAM_NAMES):
             ci[k] = (float(lo[i]), float(hi[i]))
             se[k] = float(sd[i])
+    at_bounds = [n for n, v, (lo, hi) in zip(_THETA_NAMES, theta, BOUNDS)
+                 if v - lo < 1e-6 or hi - v < 1e-6]
     return ChinchillaFit(
+        at_bounds=at_bounds,
         params={k: float(v) for k, v in zip(PARAM_NAMES, point)},
         ci=ci, se=se, ci_level=ci_level, n_runs=int(N.size),
         n_bootstrap=int(n_bootstrap or 0), objective=fval, delta=delta, r2_log=float(r2),

@@ -123,6 +123,7 @@ class PowerLawFit:
     fixed: dict[str, float] = field(default_factory=dict)
     samples: np.ndarray | None = field(default=None, repr=False)
     name: str = ""
+    at_bounds: list[str] = field(default_factory=list)  # exponents stuck at 0 or exp_max
 
     def _vec_predict(self, vec: np.ndarray, *xs) -> np.ndarray:
         k = len(self.inputs)
@@ -152,7 +153,7 @@ class PowerLawFit:
         return {"name": self.name, "formula": self.formula, "inputs": list(self.inputs),
                 "params": self.params, "ci": {k: list(v) for k, v in self.ci.items()},
                 "ci_level": self.ci_level, "r2": self.r2, "n": self.n,
-                "n_bootstrap": self.n_bootstrap, "fixed": self.fixed}
+                "n_bootstrap": self.n_bootstrap, "fixed": self.fixed, "at_bounds": self.at_bounds}
 
 
 def _fit(xs_raw: list[np.ndarray], y: np.ndarray, names: list[str], formula: str,
@@ -183,10 +184,13 @@ def _fit(xs_raw: list[np.ndarray], y: np.ndarray, names: list[str], formula: str
         lo, hi = percentile_ci(samples, ci_level)
         ci = {k: (float(lo[i]), float(hi[i])) for i, k in enumerate(names)}
     fixed = {"e": float(fix_e)} if fix_e is not None else {}
+    k = len(xs_raw)
+    at_bounds = [n for n, v in zip(names[1 + k:], exps) if v < 1e-4 or v > exp_max - 1e-4]
     return PowerLawFit(formula=formula, inputs=inputs,
                        params={k: float(v) for k, v in zip(names, vec)}, ci=ci,
                        ci_level=ci_level, r2=float(r2), n=int(y.size),
-                       n_bootstrap=int(n_bootstrap or 0), fixed=fixed, samples=samples, name=name)
+                       n_bootstrap=int(n_bootstrap or 0), fixed=fixed, samples=samples, name=name,
+                       at_bounds=at_bounds)
 
 
 def fit_power_law(x, y, *, fix_e: float | None = None, n_bootstrap: int = 1000,

@@ -45,6 +45,7 @@ class FitOptions:
     n_jobs: int | None = None          # bootstrap worker processes (None = auto)
     irreducible: float | str | None = "fit"   # IsoFLOP L* offset: "fit", a number, or None (=0)
     budget_rel_tol: float = 0.15       # clustering of runs into budgets when no budget column
+    isoflop_require_interior: bool = True  # a budget's minimum must lie inside its sizes
     metrics: list[str] | None = None   # None = every numeric non-bookkeeping column
 
 
@@ -186,13 +187,15 @@ def _fit_family(fam: str, df: pl.DataFrame, opt: FitOptions, metrics: list[str])
         budget = df["budget"].to_numpy() if "budget" in df.columns else None
         ff.isoflop = fit_isoflop(N, D, C, L, budget=budget, n_bootstrap=opt.n_bootstrap_isoflop,
                                  ci_level=opt.ci_level, seed=opt.seed, irreducible=irr,
-                                 rel_tol=opt.budget_rel_tol)
+                                 rel_tol=opt.budget_rel_tol,
+                                 require_interior=opt.isoflop_require_interior)
         if (ff.isoflop.irreducible_mode != "fit" and irr == "fit" and ff.joint is not None):
             # too few budgets to fit the offset: use the joint fit's irreducible loss
             ff.isoflop = fit_isoflop(N, D, C, L, budget=budget,
                                      n_bootstrap=opt.n_bootstrap_isoflop, ci_level=opt.ci_level,
                                      seed=opt.seed, irreducible=ff.joint.params["E"],
-                                     rel_tol=opt.budget_rel_tol)
+                                     rel_tol=opt.budget_rel_tol,
+                                     require_interior=opt.isoflop_require_interior)
             ff.isoflop.irreducible_mode = f"joint E={ff.joint.params['E']:.4g}"
     except Exception as exc:
         ff.errors["isoflop"] = f"{type(exc).__name__}: {exc}"

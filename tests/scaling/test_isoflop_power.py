@@ -64,3 +64,16 @@ def test_joint_metric_fit_recovers_parameters():
     for k, v in true.items():
         lo, hi = f.ci[k]
         assert lo <= v <= hi, (k, v, f.ci[k])
+
+
+def test_isoflop_rejects_extrapolated_minima():
+    # every budget's losses fall monotonically with size over the sampled range, with a
+    # convex bend whose vertex lies beyond the largest model: no interior optimum
+    N = np.array([1e6, 2e6, 4e6, 8e6] * 2)
+    C = np.array([1e15] * 4 + [1e16] * 4)
+    x = np.log(N)
+    L = 0.05 * (x - np.log(3e7)) ** 2 + np.where(C > 5e15, 2.0, 2.5)
+    with pytest.raises(ValueError, match="inside the sampled sizes"):
+        fit_isoflop(N, C / (6 * N), C, L, budget=C, n_bootstrap=0)
+    f = fit_isoflop(N, C / (6 * N), C, L, budget=C, n_bootstrap=0, require_interior=False)
+    assert not f.minima["interior"].any()
