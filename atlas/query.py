@@ -9,7 +9,9 @@ from atlas.config import StorageConfig
 
 
 def _storage_options(root: storage.Location, cfg: StorageConfig | None) -> dict[str, str] | None:
-    return storage.s3_storage_options(cfg) or None if root.is_s3 else None
+    if not root.is_s3:
+        return None
+    return storage.s3_storage_options(cfg) or None
 
 
 def scan(output_uri: str, table: str, cfg: StorageConfig | None = None) -> pl.LazyFrame:

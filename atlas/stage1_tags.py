@@ -84,16 +84,8 @@ def _engine_stats(stats) -> dict[str, Any]:
 
 
 def _read_chunks(root: Location, limit: int | None) -> pa.Table:
-    ds = storage.read_dataset(root, "chunks").select_columns(["chunk_id", "doc_id", "text"])
-    tbl = pa.concat_tables(pa_refs_to_tables(ds)) if ds.count() else schemas.CHUNKS.empty_table().select(["chunk_id", "doc_id", "text"])
-    tbl = tbl.sort_by("chunk_id")
+    tbl = storage.read_table(root, "chunks", columns=["chunk_id", "doc_id", "text"]).sort_by("chunk_id")
     return tbl.slice(0, limit) if limit else tbl
-
-
-def pa_refs_to_tables(ds) -> list[pa.Table]:
-    import ray
-
-    return [t for t in ray.get(ds.to_arrow_refs()) if t.num_rows]
 
 
 def tag_chunks(root: Location, cfg: RunConfig) -> dict:
