@@ -6,47 +6,17 @@ It connects to ``cfg.ray.address`` or starts a local Ray cluster for the run.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import tempfile
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from atlas import storage
+from atlas.cluster import ray_session
 from atlas.config import ConfigError, RunConfig
 from atlas.manifest import Manifest
 
 log = logging.getLogger("atlas.run")
 
 STAGES = ("ingest", "chunk", "stage1_tags", "stage1_judge")
-
-
-@contextlib.contextmanager
-def ray_session(cfg: RunConfig) -> Iterator[None]:
-    """Use an existing Ray (already initialised, or ``ray.address``) or start a local one."""
-    import ray
-
-    if ray.is_initialized():
-        yield
-        return
-    # The project's packages must reach workers on a remote cluster; locally they share the venv.
-    env = {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, runtime_env=env, log_to_driver=False)
-    else:
-        temp = tempfile.mkdtemp(prefix="atlas-ray-", dir=os.environ.get("ATLAS_RAY_TMP", "/tmp"))
-        ray.init(
-            num_cpus=cfg.ray.num_cpus,
-            object_store_memory=(cfg.ray.object_store_memory_mb or 0) * 2**20 or None,
-            include_dashboard=False,
-            _temp_dir=temp,
-            runtime_env=env,
-            log_to_driver=False,
-        )
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def _stage_functions(cfg: RunConfig, root: storage.Location) -> dict[str, Callable[[], dict[str, Any]]]:
@@ -81,7 +51,7 @@ def run(cfg: RunConfig, stages: tuple[str, ...] = STAGES) -> dict[str, Any]:
     root = storage.resolve(cfg.output, cfg.storage)
     manifest = Manifest(root, cfg, list(stages))
     enabled = {"stage1_tags": cfg.stage1.enabled, "stage1_judge": cfg.judge.enabled and cfg.stage1.enabled}
-    with ray_session(cfg):
+    with ray_session(cfg.ray):
         funcs = _stage_functions(cfg, root)
         for stage in stages:
             if not enabled.get(stage, True):
