@@ -10,13 +10,13 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CHINCHILLA_CSV = ROOT.parent / "shared" / "data" / "scaling" / "chinchilla_figure4_extracted.csv"
+# A verbatim copy shipped with the project (tests/data/README.md), so no ../shared is needed.
+CHINCHILLA_CSV = ROOT / "tests" / "data" / "scaling" / "chinchilla_figure4_extracted.csv"
 
 
 @pytest.fixture(scope="session")
 def chinchilla_csv() -> Path:
-    if not CHINCHILLA_CSV.exists():
-        pytest.skip(f"shared data not found: {CHINCHILLA_CSV}")
+    assert CHINCHILLA_CSV.is_file(), f"shipped test data missing: {CHINCHILLA_CSV}"
     return CHINCHILLA_CSV
 
 
