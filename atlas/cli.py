@@ -52,7 +52,8 @@ def _status(args: argparse.Namespace) -> int:
     from atlas import manifest as mf, storage
     from atlas.config import StorageConfig
 
-    data = mf.load(storage.resolve(args.output, StorageConfig(s3_endpoint=args.s3_endpoint)))
+    scfg = StorageConfig(s3_endpoint=args.s3_endpoint, s3_allow_http=args.s3_allow_http)
+    data = mf.load(storage.resolve(args.output, scfg))
     if args.json:
         print(json.dumps(data, indent=2))
     else:
@@ -74,7 +75,11 @@ def _query(args: argparse.Namespace) -> int:
     from atlas import query
     from atlas.config import StorageConfig
 
-    df = query.sql(args.output, args.sql, StorageConfig(s3_endpoint=args.s3_endpoint))
+    try:
+        df = query.sql(args.output, args.sql, StorageConfig(s3_endpoint=args.s3_endpoint, s3_allow_http=args.s3_allow_http))
+    except query.QueryError as e:
+        print(f"atlas query: refused: {e}", file=sys.stderr)
+        return 2
     with pl.Config(tbl_rows=args.limit, fmt_str_lengths=80):
         print(df.head(args.limit) if not args.csv else df.write_csv())
     return 0
@@ -112,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="show a run's manifest")
     s.add_argument("output", help="the run's output root URI")
     s.add_argument("--s3-endpoint", help="S3 endpoint override")
+    s.add_argument("--s3-allow-http", action="store_true", help="allow a plain-http endpoint (local test server)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_status)
 
@@ -119,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("output", help="the run's output root URI")
     q.add_argument("sql")
     q.add_argument("--s3-endpoint", help="S3 endpoint override")
+    q.add_argument("--s3-allow-http", action="store_true", help="allow a plain-http endpoint (local test server)")
     q.add_argument("--limit", type=int, default=20)
     q.add_argument("--csv", action="store_true", help="print all rows as CSV")
     q.set_defaults(func=_query)

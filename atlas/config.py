@@ -31,7 +31,9 @@ class StorageConfig(_Section):
         default=None, description="Override the S3 endpoint (e.g. http://127.0.0.1:9000); env AWS_ENDPOINT_URL also works."
     )
     s3_region: str | None = Field(default=None, description="Region; env AWS_REGION / AWS_DEFAULT_REGION also work.")
-    s3_allow_http: bool = Field(default=True, description="Allow http:// endpoints (local S3-compatible servers).")
+    s3_allow_http: bool = Field(
+        default=False, description="Allow a plain-http endpoint (a local test server only: requests and signatures go unencrypted)."
+    )
 
 
 class RayConfig(_Section):

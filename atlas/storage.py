@@ -10,10 +10,18 @@ A table is written into a fresh version directory, and only then is ``_CURRENT``
 single operation (rename on a local disk, one PUT on S3), so a reader that resolves a table
 through :func:`table_path` never sees a half-written stage. Object stores have no atomic
 directory rename, which is why the pointer (and not the directory name) is the commit.
+
+Garbage collection on publish deletes only versions that were *committed* before (the
+pointer lists them under ``committed``) and are older than the ones kept. A version directory
+that was never committed is never deleted by a publish: it may belong to another run that is
+still writing (two runs may share an output root; nothing on S3 tells a live writer from a
+dead one without a lease), so abandoned versions are left for an explicit
+:func:`remove_abandoned` with an age the operator chooses.
 """
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
 import secrets
@@ -62,7 +70,10 @@ def _s3_options(cfg: StorageConfig | None) -> dict[str, Any]:
     if endpoint:
         parsed = urllib.parse.urlparse(endpoint)
         if parsed.scheme == "http" and not cfg.s3_allow_http:
-            raise StorageError("http:// S3 endpoint refused (storage.s3_allow_http is false)")
+            raise StorageError(
+                f"plain-http S3 endpoint {endpoint} refused: requests would travel unencrypted; "
+                "use https, or set storage.s3_allow_http=true for a local test server"
+            )
         opts["endpoint_override"] = parsed.netloc or parsed.path
         opts["scheme"] = parsed.scheme or "https"
     if region:
@@ -144,31 +155,75 @@ def new_version(root: Location, table: str) -> Location:
 
 
 def publish(root: Location, table: str, version: Location, rows: int, keep_previous: int = 1) -> dict[str, Any]:
-    """Commit ``version`` as the current content of ``table`` and drop older versions."""
+    """Commit ``version`` as the current content of ``table``; delete older *committed* versions.
+
+    Kept: the new version and the ``keep_previous`` most recently committed ones (a reader that
+    resolved the pointer just before still finds its files). Versions never committed are not
+    touched (see the module docstring). Two runs publishing the same table at once: the last
+    pointer write wins and the other run's version drops out of ``committed``; it is then
+    leaked (left for :func:`remove_abandoned`), never deleted while in use.
+    """
+    name = version.path.rsplit("/", 1)[-1]
+    old = read_pointer(root, table)
+    committed: list[str] = []
+    if old:
+        committed = [v for v in old.get("committed", []) if v != old["version"]] + [old["version"]]
+    committed = [v for v in committed if v != name]
+    keep = committed[-keep_previous:] if keep_previous > 0 else []
+    garbage = [v for v in committed if v not in keep]
     pointer = {
         "table": table,
-        "version": version.path.rsplit("/", 1)[-1],
+        "version": name,
         "rows": int(rows),
         "committed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "committed": [*keep, name],  # oldest first; only these may be garbage-collected later
     }
-    previous = current_version(root, table)
     write_json_atomic(root.join(table, POINTER), pointer)
-    keep = {pointer["version"]}
-    if previous and keep_previous > 0:
-        keep.add(previous)
-    selector = pafs.FileSelector(root.join(table).path, allow_not_found=True)
-    for info in root.fs.get_file_info(selector):
-        name = info.base_name
-        if info.type == pafs.FileType.Directory and name.startswith("v-") and name not in keep:
-            root.fs.delete_dir(info.path)
+    for v in garbage:
+        loc = root.join(table, v)
+        if exists(loc):
+            root.fs.delete_dir(loc.path)
     return pointer
 
 
-def current_version(root: Location, table: str) -> str | None:
+def read_pointer(root: Location, table: str) -> dict[str, Any] | None:
     ptr = root.join(table, POINTER)
     if not exists(ptr):
         return None
-    return read_json(ptr)["version"]
+    return read_json(ptr)
+
+
+def _version_time(name: str) -> float | None:
+    """Creation time encoded in a version name (``v-YYYYmmddTHHMMSS-xxxxxx``), or None."""
+    try:
+        return calendar.timegm(time.strptime(name.split("-")[1], "%Y%m%dT%H%M%S"))
+    except (IndexError, ValueError):
+        return None
+
+
+def remove_abandoned(root: Location, table: str, older_than_s: float) -> list[str]:
+    """Delete version directories of ``table`` that are not committed and were created more
+    than ``older_than_s`` seconds ago (crashed writers). Choose an age longer than any run
+    could still be writing that table. Returns the removed version names."""
+    ptr = read_pointer(root, table) or {}
+    live = {ptr.get("version"), *ptr.get("committed", [])}
+    now = time.time()
+    removed = []
+    selector = pafs.FileSelector(root.join(table).path, allow_not_found=True)
+    for info in root.fs.get_file_info(selector):
+        name = info.base_name
+        created = _version_time(name)
+        if info.type != pafs.FileType.Directory or not name.startswith("v-") or name in live:
+            continue
+        if created is not None and now - created > older_than_s:
+            root.fs.delete_dir(info.path)
+            removed.append(name)
+    return sorted(removed)
+
+
+def current_version(root: Location, table: str) -> str | None:
+    ptr = read_pointer(root, table)
+    return None if ptr is None else ptr["version"]
 
 
 def table_path(root: Location, table: str) -> Location:

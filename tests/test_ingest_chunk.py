@@ -70,7 +70,7 @@ def _read_back(s3_client, bucket, prefix, table):
 
 
 def test_bad_input_is_quarantined_and_no_valid_record_lost(ray_cluster, s3_server, s3_client, s3_corpus):
-    scfg = StorageConfig(s3_endpoint=s3_server)
+    scfg = StorageConfig(s3_endpoint=s3_server, s3_allow_http=True)
     s3_client.create_bucket(Bucket="runs")
     root = storage.resolve("s3://runs/bad-input", scfg)
     stats = ingest.ingest(s3_corpus, root, IngestConfig(max_bytes=MAX_BYTES), scfg)
@@ -112,7 +112,7 @@ def test_bad_input_is_quarantined_and_no_valid_record_lost(ray_cluster, s3_serve
 
 def test_doc_ids_stable_across_storage(ray_cluster, tmp_path, s3_server, s3_corpus, s3_client):
     """The same corpus read from S3 and from a local copy gets the same ids."""
-    scfg = StorageConfig(s3_endpoint=s3_server)
+    scfg = StorageConfig(s3_endpoint=s3_server, s3_allow_http=True)
     local = tmp_path / "docs"
     for k, v in GOOD_TXT.items():
         p = tmp_path / k

@@ -28,7 +28,7 @@ def test_pipeline_on_s3_and_cached_rerun(ray_cluster, s3_server, s3_client):
     for p in sorted(DEMO_CORPUS.glob("*.txt"))[:2]:
         s3_client.put_object(Bucket="e2e", Key=f"corpus/{p.name}", Body=p.read_bytes())
     s3_client.put_object(Bucket="e2e", Key="corpus/blank.txt", Body=b"\n\n")
-    overrides = [f"storage.s3_endpoint={s3_server}", "stage1.max_chunks=6", "judge.sample_chunks=3"]
+    overrides = [f"storage.s3_endpoint={s3_server}", "storage.s3_allow_http=true", "stage1.max_chunks=6", "judge.sample_chunks=3"]
     cfg = load_config(overrides=overrides, input="s3://e2e/corpus", output="s3://e2e/run", run_id="e2e-1")
 
     first = runner.run(cfg)

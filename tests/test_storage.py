@@ -1,4 +1,5 @@
 import json
+import threading
 
 import polars as pl
 import pyarrow as pa
@@ -28,13 +29,21 @@ def test_local_publish_is_atomic_and_versioned(tmp_path):
     ptr = json.loads((tmp_path / "t" / "_CURRENT").read_text())
     assert ptr["rows"] == 5
     versions = sorted(p.name for p in (tmp_path / "t").iterdir() if p.name.startswith("v-"))
-    # current + one previous kept; the abandoned empty version was cleaned up
-    assert len(versions) == 2 and first in versions and v.path.rsplit("/", 1)[-1] not in versions
+    # current + one previous kept; the never-committed version is not garbage to a publish
+    # (it could be another run's work in progress) ...
+    abandoned = v.path.rsplit("/", 1)[-1]
+    assert len(versions) == 3 and first in versions and abandoned in versions
+    storage.write_table(root, "t", _table(6))
+    assert first not in {p.name for p in (tmp_path / "t").iterdir()}  # older committed: collected
+    # ... only an explicit sweep with an age removes it.
+    assert storage.remove_abandoned(root, "t", older_than_s=3600) == []
+    assert storage.remove_abandoned(root, "t", older_than_s=-1) == [abandoned]
+    assert storage.read_table(root, "t").num_rows == 6
 
 
 def test_s3_roundtrip_read_by_independent_clients(s3_server, s3_client):
     s3_client.create_bucket(Bucket="store-test")
-    root = storage.resolve("s3://store-test/run1", StorageConfig(s3_endpoint=s3_server))
+    root = storage.resolve("s3://store-test/run1", StorageConfig(s3_endpoint=s3_server, s3_allow_http=True))
     storage.write_table(root, "numbers", _table(7))
     # boto3 (not our code) sees the pointer and the data object
     keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket="store-test")["Contents"]]
@@ -43,7 +52,7 @@ def test_s3_roundtrip_read_by_independent_clients(s3_server, s3_client):
     assert ptr["rows"] == 7
     # polars over its own object_store client reads the committed version
     version_uri = storage.table_path(root, "numbers").uri
-    df = pl.read_parquet(version_uri + "/*.parquet", storage_options={**storage.s3_storage_options(StorageConfig(s3_endpoint=s3_server)), "aws_access_key_id": "atlas-test-key", "aws_secret_access_key": "atlas-test-secret"})
+    df = pl.read_parquet(version_uri + "/*.parquet", storage_options={**storage.s3_storage_options(StorageConfig(s3_endpoint=s3_server, s3_allow_http=True)), "aws_access_key_id": "atlas-test-key", "aws_secret_access_key": "atlas-test-secret"})
     assert df["x"].sum() == 21
 
 
@@ -57,3 +66,63 @@ def test_bad_uris():
 def test_redact_uri():
     assert redact_uri("s3://user:secret@bucket/p?X-Amz-Signature=abc") == "s3://bucket/p"
     assert redact_uri("http://127.0.0.1:9000") == "http://127.0.0.1:9000"
+
+
+def test_plain_http_endpoint_refused_by_default(s3_server):
+    assert StorageConfig().s3_allow_http is False
+    with pytest.raises(storage.StorageError, match="plain-http S3 endpoint .* refused.*s3_allow_http=true"):
+        storage.resolve("s3://b/run", StorageConfig(s3_endpoint=s3_server))
+    with pytest.raises(storage.StorageError, match="refused"):
+        storage.s3_storage_options(StorageConfig(s3_endpoint="http://127.0.0.1:9"))
+    # https endpoints need no opt-in
+    assert storage.s3_storage_options(StorageConfig(s3_endpoint="https://s3.example"))["aws_endpoint_url"] == "https://s3.example"
+
+
+def _versions(root, table):
+    sel = storage.pafs.FileSelector(root.join(table).path, allow_not_found=True)
+    return {i.base_name for i in root.fs.get_file_info(sel) if i.base_name.startswith("v-")}
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_concurrent_writers_never_lose_a_version_in_progress(where, tmp_path, request):
+    """Run A writes a version slowly while run B publishes the same table three times.
+
+    B's garbage collection must not touch A's unpublished version; A then commits it intact,
+    and the versions that were committed and superseded are collected.
+    """
+    if where == "s3":
+        s3_server, s3_client = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_client")
+        s3_client.create_bucket(Bucket="concurrent")
+        root = storage.resolve("s3://concurrent/run", StorageConfig(s3_endpoint=s3_server, s3_allow_http=True))
+    else:
+        root = storage.resolve(str(tmp_path))
+    a_started, b_done = threading.Event(), threading.Event()
+    a_result: dict = {}
+    b_versions: list[str] = []
+
+    def writer_a():
+        version = storage.new_version(root, "t")
+        storage.pq.write_table(pa.table({"x": [1, 2]}), version.join("part-00000.parquet").path, filesystem=root.fs)
+        a_started.set()
+        assert b_done.wait(60)
+        storage.pq.write_table(pa.table({"x": [3]}), version.join("part-00001.parquet").path, filesystem=root.fs)
+        a_result["ptr"] = storage.publish(root, "t", version, rows=3)
+
+    def writer_b():
+        assert a_started.wait(60)
+        for n in (10, 20, 30):
+            b_versions.append(storage.write_table(root, "t", _table(n))["version"])
+        b_done.set()
+
+    threads = [threading.Thread(target=writer_a), threading.Thread(target=writer_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert "ptr" in a_result, "writer A failed"
+    assert storage.current_version(root, "t") == a_result["ptr"]["version"]
+    assert sorted(storage.read_table(root, "t").column("x").to_pylist()) == [1, 2, 3]
+    left = _versions(root, "t")
+    # A (current) and B's last commit (previous) remain; B's first two were collected
+    assert left == {a_result["ptr"]["version"], b_versions[-1]}, (left, b_versions)
+    assert a_result["ptr"]["committed"] == [b_versions[-1], a_result["ptr"]["version"]]
