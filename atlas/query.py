@@ -40,6 +40,8 @@ def _version_uri(root: storage.Location, table: str) -> str:
 
 def scan(output_uri: str, table: str, cfg: StorageConfig | None = None) -> pl.LazyFrame:
     """The committed version of ``table`` in the run at ``output_uri``."""
+    if table not in schemas.TABLES:  # also keeps names like "../other-run/documents" out
+        raise QueryError(f"unknown table {table!r}; the run's tables: {sorted(schemas.TABLES)}")
     root = storage.resolve(output_uri, cfg)
     return pl.scan_parquet(f"{_version_uri(root, table)}/*.parquet", storage_options=_storage_options(root, cfg))
 

@@ -76,6 +76,14 @@ def test_statements_that_change_anything_are_refused(run_root, sql):
     assert query.sql(str(out), "SELECT count(*) AS n FROM documents")["n"].to_list() == [2]
 
 
+def test_scan_accepts_only_table_names(run_root):
+    out, _ = run_root
+    assert query.scan(str(out), "documents").collect().height == 2
+    for name in ("../other/documents", "documents/../../other/documents", "not_a_table"):
+        with pytest.raises(query.QueryError, match="unknown table"):
+            query.scan(str(out), name)
+
+
 def test_plan_check_refuses_scans_of_other_paths(run_root):
     """Second line of defence: whatever produced it, a plan scanning another file is refused."""
     out, other = run_root
