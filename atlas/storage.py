@@ -250,12 +250,29 @@ def read_table(root: Location, table: str, columns: list[str] | None = None) -> 
     return pq.read_table(loc.path, filesystem=loc.fs, columns=columns)
 
 
+def _require_shared(root: Location, table: str) -> None:
+    """Ray Data writes each block on the node that holds it: a local path on a multi-node
+    cluster would scatter the table over several disks. (The runner refuses such a run up
+    front, see atlas.cluster.check_shared_storage; this is the last line.)"""
+    if root.is_s3:
+        return
+    import ray
+
+    if ray.is_initialized():
+        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        if nodes > 1:
+            raise StorageError(
+                f"cannot write table {table!r} to the local path {root.uri} from a {nodes}-node Ray cluster; use an s3:// output"
+            )
+
+
 def write_dataset(root: Location, table: str, ds: Any, schema: pa.Schema | None = None) -> dict[str, Any]:
     """Write a Ray Dataset with Ray Data's Parquet writer, then publish it.
 
     An empty dataset still produces an (empty) Parquet file with ``schema`` so that readers
     get the documented columns.
     """
+    _require_shared(root, table)
     version = new_version(root, table)
     ds = ds.materialize()
     rows = ds.count()

@@ -182,25 +182,46 @@ REFUSE_CHECK = """
             print("NOT REFUSED")
     except ConfigError as e:
         print("refused:", e)
+
+    import ray
+    from atlas import storage
+    with ray_session(RayConfig(address="{gcs}")):
+        try:
+            storage.write_dataset(storage.resolve("file://{never}"), "documents", ray.data.range(3))
+            print("NOT REFUSED")
+        except storage.StorageError as e:
+            print("storage refused:", e)
 """
 
 
-def test_local_output_refused_on_multi_node_cluster(ray_head):
-    worker = _start_node(["--address", ray_head["gcs"], "--num-cpus", "0", "--object-store-memory", str(80 * 2**20)],
-                         ray_head["env"], os.path.join(ray_head["temp"], "worker.log"))
+def _join_worker(ray_head, attempt: int) -> bool:
+    """Start a second node (no CPUs) and wait until the cluster shows two live nodes."""
+    log_path = os.path.join(ray_head["temp"], f"worker-{attempt}.log")
+    worker = _start_node(["--address", ray_head["gcs"], "--node-ip-address", "127.0.0.1", "--num-cpus", "0",
+                          "--object-store-memory", str(80 * 2**20)], ray_head["env"], log_path)
     ray_head["extra"].append(worker)
     deadline = time.time() + 120
-    while True:
+    while time.time() < deadline and worker.poll() is None:
         nodes = _driver(ray_head, f"""
             import ray
             ray.init(address="{ray_head['gcs']}", log_to_driver=False)
             print(sum(1 for n in ray.nodes() if n["Alive"]))
         """, timeout=60)
         if nodes.returncode == 0 and nodes.stdout.strip().splitlines()[-1] == "2":
-            break
-        assert time.time() < deadline and worker.poll() is None, nodes.stderr[-2000:]
+            return True
         time.sleep(2)
-    proc = _driver(ray_head, REFUSE_CHECK.format(gcs=ray_head["gcs"]))
+    print(f"worker node attempt {attempt} did not join:\n" + open(log_path, errors="replace").read()[-3000:])
+    _stop(worker)
+    return False
+
+
+def test_local_output_refused_on_multi_node_cluster(ray_head):
+    # A second try with fresh ports: a port picked free can be taken before the node binds it.
+    assert _join_worker(ray_head, 1) or _join_worker(ray_head, 2), "worker node did not join (see stdout)"
+    never = os.path.join(ray_head["temp"], "never-written")
+    proc = _driver(ray_head, REFUSE_CHECK.format(gcs=ray_head["gcs"], never=never))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "s3 ok" in proc.stdout and "NOT REFUSED" not in proc.stdout
     assert "refused: file:///tmp/out: a local path cannot be used with a 2-node Ray cluster" in proc.stdout
+    assert f"storage refused: cannot write table 'documents' to the local path file://{never} from a 2-node" in proc.stdout
+    assert not os.path.exists(never)
