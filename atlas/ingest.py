@@ -42,7 +42,8 @@ def doc_id_for(relative_path: str, record: str) -> str:
 
 def scan_inputs(input_uri: str, storage_cfg: StorageConfig, formats: list[str]) -> tuple[list[dict[str, str]], dict[str, int]]:
     """Every ingestible file under ``input_uri`` (a folder, prefix or single file), sorted, and
-    the counts of files left out by reason (``hidden``, ``unsupported_format``)."""
+    the counts of files left out by reason (``hidden``, ``unsupported_format``,
+    ``undecodable_name``)."""
     loc = storage.resolve(input_uri, storage_cfg)
     info = loc.fs.get_file_info(loc.path)
     if info.type == pafs.FileType.NotFound:
@@ -55,7 +56,11 @@ def scan_inputs(input_uri: str, storage_cfg: StorageConfig, formats: list[str]) 
     out = []
     skipped: dict[str, int] = {}
     for f in files:
-        rel = f.path[len(base) + 1 :]
+        try:
+            rel = f.path[len(base) + 1 :]
+        except UnicodeDecodeError:  # a file name that is not UTF-8 cannot be named in a table
+            skipped["undecodable_name"] = skipped.get("undecodable_name", 0) + 1
+            continue
         if any(part.startswith((".", "_")) for part in rel.split("/")):
             skipped["hidden"] = skipped.get("hidden", 0) + 1  # dotfiles, _SUCCESS markers, our _CURRENT pointers
             continue

@@ -94,21 +94,28 @@ def s3_storage_options(cfg: StorageConfig | None) -> dict[str, str]:
 
 
 def resolve(uri: str, cfg: StorageConfig | None = None) -> Location:
-    """Map a URI (or local path) to a filesystem and path. Credentials follow the AWS chain."""
+    """Map a URI (or local path) to a filesystem and path. Credentials follow the AWS chain.
+
+    URIs are split by hand, not with ``urllib.parse``: object keys and file names may hold
+    ``#``, ``?``, tabs or newlines, which a URL parser would cut off or drop (and then read
+    another file under this one's name)."""
     if not uri:
         raise StorageError("empty URI")
-    parsed = urllib.parse.urlparse(uri)
-    if parsed.scheme == "s3":
-        if not parsed.netloc:
+    scheme, sep, rest = uri.partition("://")
+    if not sep or "/" in scheme:
+        scheme, rest = "", uri
+    scheme = scheme.lower()
+    if scheme == "s3":
+        bucket = rest.split("/", 1)[0]
+        if not bucket:
             raise StorageError(f"s3 URI without a bucket: {uri!r}")
         fs = pafs.S3FileSystem(**_s3_options(cfg))
-        path = f"{parsed.netloc}/{parsed.path.lstrip('/')}".rstrip("/")
+        path = f"{bucket}/{rest[len(bucket):].lstrip('/')}".rstrip("/")
         return Location(fs, path, f"s3://{path}")
-    if parsed.scheme in ("", "file"):
-        local = parsed.path if parsed.scheme == "file" else uri
-        local = os.path.abspath(os.path.expanduser(local))
+    if scheme in ("", "file"):
+        local = os.path.abspath(os.path.expanduser(rest))
         return Location(pafs.LocalFileSystem(), local, f"file://{local}")
-    raise StorageError(f"unsupported URI scheme {parsed.scheme!r} in {uri!r} (use file:// or s3://)")
+    raise StorageError(f"unsupported URI scheme {scheme!r} in {uri!r} (use file:// or s3://)")
 
 
 def exists(loc: Location) -> bool:

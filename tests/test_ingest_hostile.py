@@ -119,17 +119,22 @@ def test_hostile_corpus_on_ray_counts_everything(ray_cluster, tmp_path):
     corpus = tmp_path / "corpus"
     (corpus / "sub").mkdir(parents=True)
     (corpus / "a.txt").write_text(GOOD)
+    (corpus / "odd #name?\n.txt").write_text(GOOD + " Odd name.")  # URL syntax in a file name
     (corpus / "h.jsonl").write_text("\n".join(HOSTILE_JSONL))
     (corpus / "sub" / "bin.txt").write_bytes(b"\x00\x01\x02" * 10)
     (corpus / "notes.csv").write_text("a,b\n")
     (corpus / "image.png").write_bytes(b"\x89PNG")
     (corpus / ".hidden.txt").write_text(GOOD)
     (corpus / "_SUCCESS").write_text("")
+    with open(bytes(corpus / "sub") + b"/name-\xff.txt", "wb") as f:  # a file name that is not UTF-8
+        f.write(GOOD.encode())
     root = storage.resolve(str(tmp_path / "out"))
     stats = ingest.ingest(str(corpus), root, IngestConfig(), StorageConfig())
-    assert stats["files"] == 3 and stats["documents"] == 4  # a.txt + ok1, odd id, ok2
-    assert stats["skipped_files"] == 4
-    assert stats["skipped_file_reasons"] == {"unsupported_format": 2, "hidden": 2}
+    assert stats["files"] == 4 and stats["documents"] == 5  # a.txt, odd name + ok1, odd id, ok2
+    texts = storage.read_table(root, "documents").column("text").to_pylist()
+    assert GOOD + " Odd name." in texts
+    assert stats["skipped_files"] == 5
+    assert stats["skipped_file_reasons"] == {"unsupported_format": 2, "hidden": 2, "undecodable_name": 1}
     assert stats["quarantine_reasons"] == {"malformed": 2, "undecodable": 2}
     assert stats["quarantined_files"] == 1  # bin.txt
     q = storage.read_table(root, "quarantine").to_pylist()

@@ -1,4 +1,5 @@
 import json
+import os
 import threading
 
 import polars as pl
@@ -54,6 +55,18 @@ def test_s3_roundtrip_read_by_independent_clients(s3_server, s3_client):
     version_uri = storage.table_path(root, "numbers").uri
     df = pl.read_parquet(version_uri + "/*.parquet", storage_options={**storage.s3_storage_options(StorageConfig(s3_endpoint=s3_server, s3_allow_http=True)), "aws_access_key_id": "atlas-test-key", "aws_secret_access_key": "atlas-test-secret"})
     assert df["x"].sum() == 21
+
+
+def test_uris_with_url_syntax_characters_name_the_right_file(tmp_path):
+    """'#', '?', tabs and newlines are legal in file names and S3 keys; a URL parser would
+    drop or cut them and open another file under this one's name."""
+    for name in ("a#b.txt", "q?x=1.txt", "new\nline.txt", "tab\t.txt"):
+        (tmp_path / name).write_text(name)
+        loc = storage.resolve(f"file://{tmp_path}/{name}")
+        assert loc.path == f"{tmp_path}/{name}" and storage.read_bytes(loc) == name.encode()
+    s3 = storage.resolve("s3://bucket/dir/a#b?c", StorageConfig(s3_endpoint="https://s3.example"))
+    assert s3.path == "bucket/dir/a#b?c" and s3.uri == "s3://bucket/dir/a#b?c"
+    assert storage.resolve("relative/dir").path == os.path.abspath("relative/dir")
 
 
 def test_bad_uris():
