@@ -15,6 +15,6 @@ from atlas.cli import main
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if "--address" not in argv:
+    if not any(a == "--address" or a.startswith("--address=") for a in argv):
         argv += ["--address", "auto"]
     sys.exit(main(["run", *argv]))
