@@ -25,7 +25,7 @@ QUARANTINE = pa.schema(
         pa.field("stage", pa.string(), nullable=False, metadata={"doc": "stage that rejected the record"}),
         pa.field("source", pa.string(), nullable=False),
         pa.field("record", pa.string(), nullable=False),
-        pa.field("reason", pa.string(), nullable=False, metadata={"doc": "empty | undecodable | oversized | malformed | wrong_schema | ..."}),
+        pa.field("reason", pa.string(), nullable=False, metadata={"doc": "empty | undecodable | oversized | malformed | wrong_schema | unreadable | reader_error | ..."}),
         pa.field("detail", pa.string(), nullable=False, metadata={"doc": "human-readable explanation"}),
         pa.field("snippet", pa.string(), metadata={"doc": "first bytes of the record, escaped"}),
     ]
