@@ -105,3 +105,18 @@ def test_cli_query_refusal_exit_code(run_root, capsys):
     assert "refused" in capsys.readouterr().err
     assert main(["query", str(out), "SELECT doc_id FROM documents ORDER BY doc_id", "--csv"]) == 0
     assert capsys.readouterr().out.split() == ["doc_id", "a", "b"]
+
+
+def test_query_over_s3_run_and_refusal(s3_server, s3_client):
+    from atlas.config import StorageConfig
+
+    s3_client.create_bucket(Bucket="query-run")
+    scfg = StorageConfig(s3_endpoint=s3_server, s3_allow_http=True)
+    root = storage.resolve("s3://query-run/r1", scfg)
+    storage.write_table(root, "documents", pa.table({"doc_id": ["a", "b", "c"], "text": ["x", "y", "z"]}))
+    other = storage.resolve("s3://query-run/r2", scfg)
+    storage.write_table(other, "documents", pa.table({"doc_id": ["secret"], "text": ["no"]}))
+    assert query.sql("s3://query-run/r1", "SELECT count(*) AS n FROM documents", scfg)["n"].to_list() == [3]
+    other_file = storage.table_path(other, "documents").uri + "/part-00000.parquet"
+    with pytest.raises(query.QueryError):
+        query.sql("s3://query-run/r1", f"SELECT * FROM read_parquet('{other_file}')", scfg)
