@@ -40,7 +40,9 @@ def _env(token: str) -> dict[str, str]:
     """Environment for the head, the worker node and client subprocesses: token auth on with
     our own token; no RAY_ADDRESS; no PYTHONPATH, so workers import only code that was shipped."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH", "RAY_AUTH_TOKEN_PATH")}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0",
+               # a loaded 2-core CI box can take longer than Ray's default 30 s to register a raylet
+               RAY_raylet_start_wait_time_s="180")
     return env
 
 
