@@ -40,9 +40,7 @@ def _env(token: str) -> dict[str, str]:
     """Environment for the head, the worker node and client subprocesses: token auth on with
     our own token; no RAY_ADDRESS; no PYTHONPATH, so workers import only code that was shipped."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH", "RAY_AUTH_TOKEN_PATH")}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0",
-               # a loaded 2-core CI box can take longer than Ray's default 30 s to register a raylet
-               RAY_raylet_start_wait_time_s="180")
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0")
     return env
 
 
@@ -218,8 +216,9 @@ def _join_worker(ray_head, attempt: int) -> bool:
 
 
 def test_local_output_refused_on_multi_node_cluster(ray_head):
-    # A second try with fresh ports: a port picked free can be taken before the node binds it.
-    assert _join_worker(ray_head, 1) or _join_worker(ray_head, 2), "worker node did not join (see stdout)"
+    # Retries with fresh ports: a port picked free can be taken before the node binds it, and
+    # Ray gives a raylet a fixed 30 s to register, which a heavily loaded host can miss.
+    assert any(_join_worker(ray_head, i) for i in (1, 2, 3)), "worker node did not join (see stdout)"
     never = os.path.join(ray_head["temp"], "never-written")
     proc = _driver(ray_head, REFUSE_CHECK.format(gcs=ray_head["gcs"], never=never))
     assert proc.returncode == 0, proc.stderr[-3000:]
