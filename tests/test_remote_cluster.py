@@ -200,7 +200,7 @@ def _join_worker(ray_head, attempt: int) -> bool:
     worker = _start_node(["--address", ray_head["gcs"], "--node-ip-address", "127.0.0.1", "--num-cpus", "0",
                           "--object-store-memory", str(80 * 2**20)], ray_head["env"], log_path)
     ray_head["extra"].append(worker)
-    deadline = time.time() + 120
+    deadline = time.time() + 240  # each probe is a fresh driver: slow on a loaded host
     while time.time() < deadline and worker.poll() is None:
         nodes = _driver(ray_head, f"""
             import ray
@@ -218,7 +218,7 @@ def _join_worker(ray_head, attempt: int) -> bool:
 def test_local_output_refused_on_multi_node_cluster(ray_head):
     # Retries with fresh ports: a port picked free can be taken before the node binds it, and
     # Ray gives a raylet a fixed 30 s to register, which a heavily loaded host can miss.
-    assert any(_join_worker(ray_head, i) for i in (1, 2, 3)), "worker node did not join (see stdout)"
+    assert any(_join_worker(ray_head, i) for i in (1, 2)), "worker node did not join (see stdout)"
     never = os.path.join(ray_head["temp"], "never-written")
     proc = _driver(ray_head, REFUSE_CHECK.format(gcs=ray_head["gcs"], never=never))
     assert proc.returncode == 0, proc.stderr[-3000:]
