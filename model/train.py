@@ -546,6 +546,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data, out=None, progre
         "model_config": mcfg.model_dump(), "train_config": tcfg.model_dump(mode="json"),
         "dist_config": dcfg.model_dump(exclude={"fault"}), "data_config": dcfg_data.model_dump(),
         "final": final, "packages": package_versions(),
+        "last_report": dict(result.metrics or {}), "restores": state.get("restores", []),
+        "final_digest": state.get("weights_digest"),
     }
     storage.write_json_atomic(out_loc.join(storage.MANIFEST), manifest)
     if progress:
@@ -612,3 +614,31 @@ def run_job(job: TrainJobConfig, address: str | None = None, num_cpus: int | Non
     mcfg, tcfg = build_configs(job, n)
     with ray_session(RayConfig(address=address, num_cpus=num_cpus, object_store_memory_mb=object_store_mb)):
         return train(mcfg, tcfg, job.data, job.output, dist=job.dist)
+
+
+def demo_job(output: str, data: str | None = None, overrides: list[str] | None = None) -> TrainJobConfig:
+    """A tiny CPU job: 2 workers x ZeRO-1 on annotation shards of the demo corpus.
+
+    Until Atlas Stage 3 writes ``annotations``, the shards are made from the demo corpus
+    by the STAND-IN labeller (model/labels.py) and marked so in the manifest; ``data``
+    points at an Atlas run root that has real ``annotations`` instead.
+    """
+    from atlas.config import apply_overrides
+
+    if data is None:
+        from atlas import storage
+        from model.data import standin_annotations, write_annotation_run
+        from model.sweep import default_corpus
+
+        uri = storage.resolve(output).join("standin-annotations").uri
+        ann, con = standin_annotations(default_corpus(), 48)
+        data = write_annotation_run(uri, ann, con, run_id="standin-demo")
+    raw = {
+        "output": output, "preset": "tiny",
+        "model": {"max_seq_len": 128},
+        "train": {"steps": 80, "batch_size": 8, "seq_len": 128, "dtype": "fp32", "lr": 3e-3, "warmup_steps": 8,
+                  "eval_every": 20, "eval_batches": 2},
+        "data": {"annotations": data, "val_fraction": 0.1},
+        "dist": {"num_workers": 2, "cpus_per_worker": 0.5, "zero_stage": 1, "checkpoint_every": 40},
+    }
+    return TrainJobConfig.model_validate(apply_overrides(raw, list(overrides or [])))
