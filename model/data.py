@@ -130,6 +130,11 @@ def _mix(batch: pa.Table, rates: dict[str, float], seed: int) -> pa.Table:
     return batch.take(pa.array(np.repeat(np.arange(len(src)), copies)))
 
 
+def _source_counts(batch: pa.Table) -> pa.Table:
+    vc = pc.value_counts(batch.column("source"))
+    return pa.table({"source": vc.field("values"), "n": pc.cast(vc.field("counts"), pa.int64())})
+
+
 _TOKENIZERS: dict[str, Any] = {}
 
 
@@ -326,7 +331,11 @@ def prepare(cfg: DataConfig, seq_len: int, seed: int = 0, n_known: int | None = 
 
     stats: dict[str, Any] = {}
     if cfg.mixture:
-        counts = {r["source"]: r["count()"] for r in train_rows.select_columns(["source"]).groupby("source").count().take_all()}
+        # per-batch value counts summed on the driver: one pass, no shuffle (a groupby
+        # repartitions into hundreds of blocks)
+        counts: dict[str, int] = {}
+        for r in train_rows.map_batches(_source_counts, batch_format="pyarrow").take_all():
+            counts[r["source"]] = counts.get(r["source"], 0) + int(r["n"])
         unknown = sorted(set(cfg.mixture) - set(counts))
         if unknown:
             raise ValueError(f"mixture names source(s) {unknown} absent from the shards (have {sorted(counts)})")

@@ -68,7 +68,8 @@ def test_mixture_copies_are_deterministic_and_weighted(annotation_tables):
 
 
 @pytest.mark.slow
-def test_s3_shards_stream_packed_with_the_right_labels(ray_local, annotation_root_s3, annotation_tables, s3_server):
+def test_s3_shards_stream_packed_with_the_right_labels(s3_server, annotation_root_s3, annotation_tables, ray_local):
+    # s3_server first: it sets the test credentials before Ray starts, so workers inherit them
     from model.data import DataConfig, iter_batches, prepare
     from tests.train.conftest import ID_OFFSET, N_CONCEPTS
 
