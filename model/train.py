@@ -439,8 +439,6 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data, out=None, progre
     from model.io import load_pretrained
     from model.metrics import known_concept_alignment
 
-    if not ray.is_initialized():
-        raise RuntimeError("model.train.train needs a connected Ray: wrap it in atlas.cluster.ray_session(...)")
     t0 = time.perf_counter()
     dcfg = dist if isinstance(dist, DistConfig) else DistConfig.model_validate(dist or {})
     tcfg, mcfg = train_cfg, model_cfg
@@ -452,6 +450,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data, out=None, progre
         raise ValueError(f"seq_len {tcfg.seq_len} > model max_seq_len {mcfg.max_seq_len}")
     if mcfg.is_diffusion and tcfg.seq_len % mcfg.block_size:
         raise ValueError(f"seq_len {tcfg.seq_len} must be a multiple of block_size {mcfg.block_size}")
+    if not ray.is_initialized():
+        raise RuntimeError("model.train.train needs a connected Ray: wrap it in atlas.cluster.ray_session(...)")
     out = out or tempfile.mkdtemp(prefix="steerling-run-")
     scfg = StorageConfig(s3_endpoint=dcfg.s3_endpoint)
     out_loc = storage.resolve(str(out), scfg)
