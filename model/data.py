@@ -300,7 +300,7 @@ def prepare(cfg: DataConfig, seq_len: int, seed: int = 0, n_known: int | None = 
     ctx.execution_options.preserve_order = True  # packing and mixing depend on row order
     ctx.enable_progress_bars = False
     loc, root, prov = _resolve_shards(cfg)
-    ds = ray.data.read_parquet(loc.path, filesystem=loc.fs, columns=READ_COLUMNS)
+    ds = ray.data.read_parquet(loc.path, filesystem=loc.fs).select_columns(READ_COLUMNS)  # pushed into the read
     # small driver-side reads (provenance, tokenizer sample) go through pyarrow.dataset:
     # a Ray Data job per peek costs seconds of task start-up
     pds = pads.dataset(loc.path, filesystem=loc.fs, format="parquet")

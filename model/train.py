@@ -248,12 +248,12 @@ def _worker(config: dict) -> None:
     train_it = ray.train.get_dataset_shard("train")
     val_batches = []
     if rank == 0:
-        for b in iter_batches(ray.train.get_dataset_shard("val"), micro, n_known):
+        from model.data import collate
+
+        vr = config["val_rows"]
+        for a in range(0, len(vr["n_spans"]) - micro + 1, micro):
+            b = collate({k: v[a:a + micro] for k, v in vr.items()}, n_known)
             val_batches.append({k: v.to(device) for k, v in b.items()})
-            if len(val_batches) >= tcfg.eval_batches:
-                break
-        if not val_batches:
-            raise ValueError(f"validation split yields no batch of {micro} sequences; lower batch size or val_fraction")
 
     def batches():
         epoch, seen = 0, 0
@@ -461,6 +461,15 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data, out=None, progre
     names = (prep.concept_names + [""] * (mcfg.n_known - prep.n_concepts)) if mcfg.has_concepts else None
     prep_s = time.perf_counter() - t0
 
+    # the held-out batches are small and fixed: take them once here, so the workers run
+    # only the training stream (a second Ray Data execution would compete for the CPUs
+    # left over by the workers) and every restart evaluates on the same sequences
+    n_val = tcfg.eval_batches * (tcfg.batch_size // (world * dcfg.grad_accum))
+    val_rows = prep.val.take_batch(n_val, batch_format="numpy") if n_val else {}
+    if len(val_rows.get("n_spans", [])) < n_val:
+        raise ValueError(f"validation split has {len(val_rows.get('n_spans', []))} packed sequences, "
+                         f"need {n_val} (eval_batches x micro batch); raise data.val_fraction")
+    val_rows = {k: v for k, v in val_rows.items() if k != "span_chunks"}
     ray_storage = out_loc.join("ray")
     ray_storage.fs.create_dir(ray_storage.path, recursive=True)
     run_cfg = RunConfig(
@@ -476,12 +485,12 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data, out=None, progre
     trainer = TorchTrainer(
         _worker,
         train_loop_config={"model_cfg": mcfg.model_dump(), "train_cfg": tcfg.model_dump(mode="json"),
-                           "dist": dcfg.model_dump(), "shuffle_buffer": dcfg_data.shuffle_buffer},
+                           "dist": dcfg.model_dump(), "shuffle_buffer": dcfg_data.shuffle_buffer,
+                           "val_rows": val_rows},
         scaling_config=ScalingConfig(num_workers=world, use_gpu=dcfg.use_gpu, resources_per_worker=resources),
         torch_config=TorchConfig(backend="nccl" if dcfg.use_gpu else "gloo"),
         run_config=run_cfg,
-        datasets={"train": prep.train, "val": prep.val},
-        dataset_config=ray.train.DataConfig(datasets_to_split=["train"]),
+        datasets={"train": prep.train},
     )
     t1 = time.perf_counter()
     result = trainer.fit()

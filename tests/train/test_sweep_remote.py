@@ -74,7 +74,7 @@ def test_remote_sweep_runs_through_ray_train(ray_head, tmp_path):
     from model.scaling.plan import plan_isoflop
     from model.sweep import run_sweep
 
-    plan = plan_isoflop([1e10], ["cdlm_concept"], n_sizes=1, batch_size=4,
+    plan = plan_isoflop([3e8], ["cdlm_concept"], n_sizes=1, batch_size=4, seq_len=64,
                         train_overrides={"dtype": "fp32", "eval_batches": 1})
     assert plan.runs[0].steps <= 40, plan.runs[0].steps  # keep the test tiny
     res = run_sweep(plan, tmp_path, address=ray_head, fit=False, progress=False, max_retries=0,
