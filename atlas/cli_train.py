@@ -32,6 +32,9 @@ def _train(a: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"atlas train: {e}", file=sys.stderr)
         return 2
+    from atlas import logs
+
+    logs.setup(a.log_file)
     res = run_job(job, address=a.address, num_cpus=a.num_cpus)
     f = res.final
     print(f"model:   {res.checkpoint}")
@@ -52,5 +55,6 @@ def add_commands(subparsers) -> None:
     t.add_argument("--output", help="output URI (overrides the config's)")
     t.add_argument("--address", help="Ray address (default: a private local Ray)")
     t.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
+    t.add_argument("--log-file", help="also write JSON-lines logs (per-eval metrics) here")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.steps=200")
     t.set_defaults(func=_train)

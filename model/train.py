@@ -559,6 +559,11 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data, out=None, progre
         "final_digest": state.get("weights_digest"),
     }
     storage.write_json_atomic(out_loc.join(storage.MANIFEST), manifest)
+    # structured logs (JSON lines with atlas.logs.setup(log_file)): one event per evaluation
+    for rec in state["evals"]:
+        log.info("steerling eval", extra={"kind": "eval", **rec})
+    log.info("steerling trained", extra={"kind": "train_done", "model": mdir_loc.uri, "metrics": metrics_loc.uri,
+                                         **{k: v for k, v in final.items() if isinstance(v, (int, float))}})
     if progress:
         print(json.dumps({"event": "train_done", "model": mdir_loc.uri, "metrics": metrics_loc.uri,
                           "val_loss": final.get("val_loss"), "steps": total}), flush=True)
