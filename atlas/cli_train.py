@@ -35,7 +35,8 @@ def _train(a: argparse.Namespace) -> int:
     from atlas import logs
 
     logs.setup(a.log_file)
-    res = run_job(job, address=a.address, num_cpus=a.num_cpus)
+    store = a.object_store_mb or (512 if a.demo else None)  # the tiny demo needs little
+    res = run_job(job, address=a.address, num_cpus=a.num_cpus, object_store_mb=store)
     f = res.final
     print(f"model:   {res.checkpoint}")
     print(f"metrics: {job.output.rstrip('/')}/metrics/ (steps.parquet, eval.parquet, loss_curves.png)")
@@ -55,6 +56,7 @@ def add_commands(subparsers) -> None:
     t.add_argument("--output", help="output URI (overrides the config's)")
     t.add_argument("--address", help="Ray address (default: a private local Ray)")
     t.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all)")
+    t.add_argument("--object-store-mb", type=int, default=None, help="object store cap of the local Ray")
     t.add_argument("--log-file", help="also write JSON-lines logs (per-eval metrics) here")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.steps=200")
     t.set_defaults(func=_train)

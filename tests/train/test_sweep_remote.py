@@ -40,7 +40,8 @@ def ray_head():
     gcs, nm, om, rc, agent, agent_grpc, metrics, renv = _free_ports(8)
     ray_exe = str(Path(sys.executable).with_name("ray"))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    # a private test head bound to this host; the driver connects without a token
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", RAY_AUTH_MODE="disabled")
     cmd = [ray_exe, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            f"--temp-dir={temp}", "--num-cpus=2", f"--object-store-memory={256 * 2**20}",
            "--include-dashboard=false", f"--node-manager-port={nm}", f"--object-manager-port={om}",
