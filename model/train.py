@@ -404,10 +404,13 @@ def plot_loss_curves(steps: list[dict], evals: list[dict], path: Path) -> None:
         axes[0].plot(s, [r["concept_loss"] for r in steps], label="train concept loss")
     if evals:
         axes[0].plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", label="val LM loss")
+    if evals and "concept_loss" in evals[0]:
+        axes[0].plot([e["step"] for e in evals], [e["concept_loss"] for e in evals], "s-", label="val concept loss")
     axes[0].set_xlabel("step")
     axes[0].set_ylabel("loss")
-    axes[0].legend()
-    for k in ("concept_loss", "concept_independence_loss", "concept_contribution", "concept_auc"):
+    axes[0].set_yscale("log")  # the concept loss starts an order of magnitude above the LM loss
+    axes[0].legend(fontsize=7)
+    for k in ("concept_independence_loss", "concept_contribution", "concept_auc"):
         if evals and k in evals[0]:
             axes[1].plot([e["step"] for e in evals], [e.get(k) for e in evals], "o-", label=f"val {k}")
     axes[1].set_xlabel("step")
@@ -492,6 +495,10 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data, out=None, progre
         run_config=run_cfg,
         datasets={"train": prep.train},
     )
+    if progress:
+        print(json.dumps({"event": "train_start", "steps": tcfg.total_steps, "workers": world,
+                          "zero_stage": dcfg.zero_stage, "concepts": prep.n_concepts, "output": out_loc.uri,
+                          "per_step_logs": "Ray worker logs (train_step / eval JSON lines)"}), flush=True)
     t1 = time.perf_counter()
     result = trainer.fit()
     train_s = time.perf_counter() - t1
