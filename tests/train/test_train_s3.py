@@ -45,6 +45,7 @@ def test_s3_run_resumes_from_its_latest_checkpoint(s3_server, s3_client, annotat
         steps = pl.read_parquet(f)
     assert steps.select("step", "attempt").rows() == [(0, 0), (1, 0), (2, 1), (3, 1)]
     local = tmp_path / "model"
+    local.mkdir()  # pyarrow copies into an existing local folder
     pafs.copy_files(loc.join("model").path, str(local), source_filesystem=loc.fs,
                     destination_filesystem=pafs.LocalFileSystem())
     model, _, names = load_pretrained(local)
