@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     from atlas import cli_scaling
 
     cli_scaling.add_commands(sub)
+    from atlas import cli_train
+
+    cli_train.add_commands(sub)
     return p
 
 

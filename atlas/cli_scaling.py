@@ -4,7 +4,7 @@
     atlas scaling sweep --budgets 1e10 3e10 --out runs/scaling [--address ray://...]
     atlas scaling fit   --runs runs.parquet [--json] [--exclude-highest-loss 5] [--out DIR]
 
-All logic lives in ``model.scaling`` (plan, fits, plots) and ``pipelines.scaling_sweep``
+All logic lives in ``model.scaling`` (plan, fits, plots) and ``model.sweep``
 (the Ray runner); this module only parses arguments and prints.
 """
 
@@ -118,7 +118,7 @@ def _summary(report) -> str:
 
 
 def _sweep(a: argparse.Namespace) -> int:
-    from pipelines.scaling_sweep import run_from_args, summarize
+    from model.sweep import run_from_args, summarize
 
     try:
         res = run_from_args(a)
@@ -172,8 +172,8 @@ def add_commands(subparsers) -> None:
     f.add_argument("--no-plots", action="store_true")
     f.set_defaults(func=_fit)
 
-    s = ssub.add_parser("sweep", help="plan + train the grid as Ray tasks + fit")
-    from pipelines.scaling_sweep import build_arg_parser
+    s = ssub.add_parser("sweep", help="plan + train the grid on Ray (Ray Train + DeepSpeed) + fit")
+    from model.sweep import build_arg_parser
 
     build_arg_parser(s)
     s.set_defaults(func=_sweep)

@@ -84,6 +84,20 @@ TAG_JUDGE_BY_TAG = pa.schema(
     ]
 )
 
+ANNOTATIONS = pa.schema(
+    [
+        pa.field("chunk_id", pa.string(), nullable=False, metadata={"doc": "<doc_id>-<chunk_index:05d>: sorting by it restores document order"}),
+        pa.field("doc_id", pa.string(), nullable=False),
+        pa.field("chunk_index", pa.int32(), nullable=False, metadata={"doc": "position of the chunk in its document"}),
+        pa.field("source", pa.string(), nullable=False, metadata={"doc": "corpus source (e.g. wikipedia, arxiv, code): the unit of training-data mixtures"}),
+        pa.field("text", pa.string(), nullable=False),
+        pa.field("concept_ids", pa.list_(pa.int32()), nullable=False, metadata={"doc": "concept library ids present in the chunk (may be empty)"}),
+        pa.field("concept_scores", pa.list_(pa.float32()), nullable=False, metadata={"doc": "annotator confidence per concept id, same order and length"}),
+        pa.field("annotator", pa.string(), nullable=False, metadata={"doc": "model that produced the labels"}),
+        pa.field("library_version", pa.string(), nullable=False, metadata={"doc": "version of the concept library the ids refer to"}),
+    ]
+)
+
 TABLES: dict[str, pa.Schema] = {
     "documents": DOCUMENTS,
     "quarantine": QUARANTINE,
@@ -92,6 +106,7 @@ TABLES: dict[str, pa.Schema] = {
     "tag_judgements": TAG_JUDGEMENTS,
     "tag_judge_by_chunk": TAG_JUDGE_BY_CHUNK,
     "tag_judge_by_tag": TAG_JUDGE_BY_TAG,
+    "annotations": ANNOTATIONS,
 }
 
 

@@ -3,7 +3,7 @@
 Fitting stands alone on any runs table (``params``, ``tokens`` or ``flops``, ``loss``,
 optional metric columns).  Planning uses ``model.flops`` / ``model.config`` and is
 imported lazily so the fits work without the model package's torch code.  No Ray here:
-the sweep runner lives in ``pipelines/scaling_sweep.py``.
+the sweep runner lives in ``model/sweep.py``.
 """
 
 from .extrapolate import extrapolate, targets_frame

@@ -52,6 +52,7 @@ def test_tiny_sweep_end_to_end(ray_local, tmp_path):
     budgets = [1e10, 3e10]
     plan = plan_isoflop(budgets, ["cdlm_concept"], n_sizes=3, train_overrides={"dtype": "fp32"})
     res = run_sweep(plan, tmp_path, num_cpus_per_run=1, threads_per_run=1, progress=True,
+                    trainer="model.loop:train",  # the sweep machinery; tests/train covers the Ray trainer
                     fit_options={"n_bootstrap": 100, "n_bootstrap_isoflop": 100,
                                  "n_bootstrap_metrics": 100})
     t = pl.read_parquet(tmp_path / "runs.parquet")
@@ -80,7 +81,7 @@ def test_tiny_sweep_end_to_end(ray_local, tmp_path):
     print("tiny sweep:", t.select("run_id", "params", "tokens", "flops", "loss", "wall_s"))
 
     # resume: a second call trains nothing and keeps the table
-    res2 = run_sweep(plan, tmp_path, fit=False, progress=False)
+    res2 = run_sweep(plan, tmp_path, fit=False, progress=False, trainer="model.loop:train")
     assert res2.table.height == 6 and (res2.table["status"] == "ok").all()
     man2 = json.loads((tmp_path / "manifest.json").read_text())
     assert all(v.get("resumed") for v in man2["runs"].values())
