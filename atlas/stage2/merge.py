@@ -42,7 +42,7 @@ def merge_components(emb: np.ndarray, threshold: float) -> np.ndarray:
     # FAISS keeps inner products strictly above the radius; the small margin makes the
     # threshold inclusive against float rounding of exactly-at-threshold pairs.
     lims, dist, nbr = index.range_search(x, float(threshold) - 1e-6)
-    rows = np.repeat(np.arange(n), np.diff(lims))
+    rows = np.repeat(np.arange(n), np.diff(lims).astype(np.int64))
     graph = sp.csr_matrix((np.ones(len(nbr), np.int8), (rows, nbr)), shape=(n, n))
     _, comp = connected_components(graph, directed=False)
     return comp.astype(np.int64)
