@@ -11,13 +11,14 @@ from atlas import schemas
 from atlas.stage2 import prompts
 
 TOPICS: dict[str, list[str]] = {
-    "volcanoes": ["volcano", "volcanic eruption", "lava flow", "stratovolcano", "magma chamber", "volcanic ash"],
+    "volcanoes": ["volcano", "volcanic eruption", "lava flow", "volcanic crater", "magma chamber", "volcanic ash"],
     "football": ["association football", "football club", "soccer match", "football league", "goalkeeper", "football transfer"],
-    "warships": ["battleship", "naval warship", "dreadnought", "naval gunnery", "armoured cruiser", "navy fleet"],
+    "warships": ["battleship", "naval warship", "warship armour", "naval gunnery", "armoured cruiser", "navy fleet"],
     "highways": ["state highway", "interstate highway", "highway interchange", "road construction", "freeway", "toll road"],
     "music": ["rock album", "music single", "billboard chart", "rock band", "guitar solo", "record label"],
     "plants": ["photosynthesis", "chlorophyll", "chloroplast", "plant biology", "plant leaves", "carbon fixation"],
     "lobsters": ["lobster", "crustacean", "european lobster", "lobster fishing", "marine crustaceans", "shellfish"],
+    "chess": ["chess", "chess opening", "chess grandmaster", "checkmate", "chess tournament", "chess endgame"],
     "religion": ["scientology", "church of scientology", "new religious movement", "religious sect", "cult controversy", "l ron hubbard"],
 }
 NEW_TOPIC = ("astronomy", ["galaxy", "telescope", "star cluster", "astronomer", "nebula", "planetary orbit"])

@@ -43,18 +43,30 @@ def sample_indices(n: int, size: int, seed: int) -> np.ndarray:
 def kmeans_fit(x: np.ndarray, k: int, niter: int = 20, nredo: int = 1, seed: int = 0, sample: int = 200_000, gpu: bool = False) -> np.ndarray:
     """Spherical k-means centroids (k, d), fit on at most ``sample`` rows of ``x``."""
     import faiss
+    from sklearn.cluster import kmeans_plusplus
 
     x = np.ascontiguousarray(x, np.float32)
     idx = sample_indices(len(x), sample, seed)
     train = x[idx] if len(idx) < len(x) else x
     k = min(k, len(train))
-    km = faiss.Kmeans(
-        x.shape[1], k, niter=niter, nredo=nredo, seed=seed, spherical=True, gpu=gpu, verbose=False,
-        # We already sampled; let FAISS use all of it instead of subsampling again.
-        max_points_per_centroid=max(256, -(-len(train) // k)),
-    )
-    km.train(train)
-    return normalize(km.centroids)
+    # k-means++ seeding (scikit-learn's, on a subsample) instead of FAISS's random seeding:
+    # random seeds often split one well-separated group and fuse two others. ``nredo``
+    # restarts from different seedings keep the best objective (sum of member-centroid cosines).
+    init_n = min(len(train), max(20 * k, 10_000))
+    best, best_obj = None, -np.inf
+    for r in range(nredo):
+        init_x = train[sample_indices(len(train), init_n, seed + 1 + r)]
+        init, _ = kmeans_plusplus(init_x, k, random_state=seed + r)
+        km = faiss.Kmeans(
+            x.shape[1], k, niter=niter, seed=seed + r, spherical=True, gpu=gpu, verbose=False,
+            # We already sampled; let FAISS use all of it instead of subsampling again.
+            max_points_per_centroid=max(256, -(-len(train) // k)),
+        )
+        km.train(train, init_centroids=normalize(init))
+        obj = float(km.obj[-1]) if len(km.obj) else 0.0
+        if obj > best_obj:
+            best, best_obj = km.centroids, obj
+    return normalize(best)
 
 
 def assign(x: np.ndarray, centroids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

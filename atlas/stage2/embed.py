@@ -141,7 +141,7 @@ def embed_tags(
         fn_constructor_kwargs={"model_path": path, "device": device, "threads": threads, "batch_size": batch_size},
         batch_size=batch_size * 4,
         batch_format="pyarrow",
-        concurrency=replicas,
+        compute=ray.data.ActorPoolStrategy(size=replicas),
         **res,
     )
     table = pa.concat_tables([t for t in ray.get(out.to_arrow_refs())])
