@@ -229,3 +229,39 @@ def test_quality_sweep_and_gate():
     quality.check_gate(rep, c.model_copy(update={"gate_min_silhouette": -1.0}))
     with pytest.raises(quality.QualityGateError, match=r"silhouette .* < stage2.gate_min_silhouette=0.99"):
         quality.check_gate(rep, c.model_copy(update={"gate_min_silhouette": 0.99}))
+
+
+# ------------------------------------------------------------------ real engine
+
+
+@pytest.mark.slow
+def test_labelling_through_the_real_engine(ray_cluster, tmp_path):
+    """Cluster labels from the real vLLM engine (SmolLM2 135M instruct, JSON-schema output),
+    then a rerun served entirely from the request cache."""
+    from atlas import storage
+    from atlas.engine import Engine
+    from tests.engine_fixtures import small_engine_cfg
+
+    c = Stage2Config(label_examples=1)
+    clusters = pa.Table.from_pylist(
+        [
+            dict(cluster_id=i, n_tags=len(TOPICS[t]), support=6, anchor_tag=TOPICS[t][0], representative_tags=TOPICS[t], coherence=0.6,
+                 kept=True, drop_reason=None, centroid=[1.0])
+            for i, t in enumerate(["volcanoes", "chess", "lobsters"])
+        ],
+        schema=schemas.CLUSTERS,
+    )
+    engine = Engine(small_engine_cfg(), model="embedded:smollm2-135m-instruct")
+    root = storage.resolve(str(tmp_path))
+    lab = label.engine_labeller(engine, root)
+    out = label.label_clusters(clusters, {}, lab, c, engine.model, engine.chat_template)
+    rows = out.to_pylist()
+    assert len(rows) == 3
+    for r in rows:
+        assert (r["name"] is None) != (r["error"] is None), r
+        if r["name"] is not None:
+            assert 2 <= len(r["name"]) <= 60 and r["description"]
+    assert sum(r["name"] is not None for r in rows) >= 2, rows
+    again = label.label_clusters(clusters, {}, lab, c, engine.model, engine.chat_template)
+    assert again.column("cached").to_pylist() == [True] * 3
+    assert again.column("name").to_pylist() == out.column("name").to_pylist()
