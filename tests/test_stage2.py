@@ -174,6 +174,21 @@ def test_concepts_diff_names_new_topic_merge_and_rename(runs):
     assert "merged 1" in diff.format_diff(d)
 
 
+def test_cli_concepts_diff(runs, tmp_path, capsys):
+    from atlas import storage
+    from atlas.cli import main
+
+    _, _, a1, _, b = runs
+    for name, res in (("a", a1), ("b", b)):
+        root = storage.resolve(str(tmp_path / name))
+        for t in ("concepts", "tag_concepts"):
+            storage.write_table(root, t, res.tables[t])
+    assert main(["concepts", "diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("added 1, removed 0, renamed 1, merged 1")
+    assert f"+ {merge.concept_id(NEW_TOPIC[1][0])}" in out and "'Volcanism'" in out and "= " in out
+
+
 def test_labeller_errors_are_per_row():
     c = Stage2Config()
     clusters = pa.Table.from_pylist(
@@ -265,3 +280,33 @@ def test_labelling_through_the_real_engine(ray_cluster, tmp_path):
     again = label.label_clusters(clusters, {}, lab, c, engine.model, engine.chat_template)
     assert again.column("cached").to_pylist() == [True] * 3
     assert again.column("name").to_pylist() == out.column("name").to_pylist()
+
+
+def test_blind_fit_sheet_export_and_score():
+    from atlas.stage2 import validate
+
+    rng = np.random.default_rng(0)
+    e = cluster.normalize(rng.standard_normal((6, 8)).astype(np.float32))
+    concepts = pa.table({
+        "concept_id": [f"c-{i}" for i in range(6)], "name": [f"name {i}" for i in range(6)],
+        "representative_tags": [[f"t{i}a", f"t{i}b"] for i in range(6)], "taxonomy_class": ["Q", "Q", "Q", "G", "G", "M"],
+        "embedding": embed.from_matrix(e),
+    })
+    sheet, key = validate.export_sheet(concepts, seed=1)
+    assert "candidate_type" not in sheet.column_names, "raters must not see the candidate type"
+    types = dict(zip(key.column("item_id").to_pylist(), key.column("candidate_type").to_pylist()))
+    per_concept: dict[str, set] = {}
+    for item, cid, cand in zip(sheet.column("item_id").to_pylist(), sheet.column("concept_id").to_pylist(), sheet.column("candidate").to_pylist()):
+        per_concept.setdefault(cid, set()).add(types[item])
+        if types[item] == "pipeline":
+            assert cand == f"name {cid[2:]}"
+    assert all({"pipeline", "embedding", "filler"} <= v for v in per_concept.values())
+    # Fill: pipeline 5, embedding 3, others 1 -> per-type means, n and CIs.
+    fill = {"pipeline": 5, "embedding": 3, "taxonomy": 1, "filler": 1}
+    sheet = sheet.set_column(4, "rating", pa.array([fill[types[i]] for i in sheet.column("item_id").to_pylist()], pa.int8()))
+    sc = {r["candidate_type"]: r for r in validate.score(sheet, key).to_pylist()}
+    assert sc["pipeline"]["mean"] == 5 and sc["pipeline"]["n"] == 6 and sc["pipeline"]["ci_low"] == 5
+    assert sc["embedding"]["mean"] == 3
+    bad = sheet.set_column(4, "rating", pa.array([9] * sheet.num_rows, pa.int8()))
+    with pytest.raises(ValueError, match="outside 1..5"):
+        validate.score(bad, key)
