@@ -310,3 +310,19 @@ def test_blind_fit_sheet_export_and_score():
     bad = sheet.set_column(4, "rating", pa.array([9] * sheet.num_rows, pa.int8()))
     with pytest.raises(ValueError, match="outside 1..5"):
         validate.score(bad, key)
+
+
+def test_hdbscan_noise_is_dropped_with_reason():
+    rng = np.random.default_rng(0)
+    centres = cluster.normalize(rng.standard_normal((3, 16)).astype(np.float32))
+    blobs = cluster.normalize(np.repeat(centres, 20, 0) + 0.05 * rng.standard_normal((60, 16)).astype(np.float32))
+    noise = cluster.normalize(rng.standard_normal((6, 16)).astype(np.float32))
+    x = np.vstack([blobs, noise])
+    tags = [f"t{i:03d}" for i in range(len(x))]
+    e = pa.table({"tag": tags, "n_chunks": pa.array([1] * len(x), pa.int64()), "embedding": embed.from_matrix(x)})
+    c = Stage2Config(algorithm="hdbscan", hdbscan_min_cluster_size=5, min_coherence=0.3)
+    tc, stats = cluster.cluster_tags(e, c)
+    assert stats["k"] == 3
+    cl = {r["cluster_id"]: r for r in cluster.summarize(tc, e, c.min_cluster_tags, c.min_coherence).to_pylist()}
+    assert -1 in cl and not cl[-1]["kept"] and cl[-1]["drop_reason"].startswith("noise: HDBSCAN")
+    assert all(cl[i]["kept"] and 15 <= cl[i]["n_tags"] <= 26 for i in range(3)), cl

@@ -108,10 +108,11 @@ def cluster_tags(emb: pa.Table, cfg) -> tuple[pa.Table, dict]:
     if cfg.algorithm == "hdbscan":
         labels = hdbscan_labels(x, cfg.hdbscan_min_cluster_size)
         k = int(labels.max()) + 1 if n else 0
-        sums, counts = cluster_sums(x, np.where(labels < 0, 0, labels), max(k, 1))
+        ok = labels >= 0
+        sums, _ = cluster_sums(x[ok], labels[ok], max(k, 1))
         cents = normalize(sums)
-        sims = np.einsum("ij,ij->i", x, cents[np.where(labels < 0, 0, labels)]).astype(np.float32)
-        sims[labels < 0] = 0.0
+        sims = np.zeros(n, np.float32)  # noise tags have no centroid
+        sims[ok] = np.einsum("ij,ij->i", x[ok], cents[labels[ok]])
     else:
         k = choose_k(n, cfg.k, cfg.tags_per_cluster)
         cents = kmeans_fit(x, k, cfg.kmeans_iter, cfg.kmeans_redo, cfg.seed, cfg.kmeans_sample, cfg.kmeans_gpu)
