@@ -127,7 +127,10 @@ def plot(report: pa.Table) -> bytes:
             pts = sorted((r["k"], r[metric]) for r in rows if r["embedding_model"] == m and r[metric] is not None)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m.replace("embedded:", ""))
+        ks = sorted({r["k"] for r in rows})
         ax.set_xscale("log")
+        ax.minorticks_off()
+        ax.set_xticks(ks, [str(k) for k in ks])
         ax.set_xlabel("k")
         ax.set_title(title, fontsize=9)
     axes[0].legend(fontsize=7)
