@@ -1,7 +1,7 @@
 """Stage 2 at scale on synthetic tag embeddings (no LLM labelling).
 
 Synthetic tags: ``n`` unit vectors in 384-d drawn from a mixture of Gaussians on the sphere
-(``n / 100`` centres, noise chosen so clusters overlap a little). Each step of Stage 2 that
+(``k`` centres, members of one centre at pairwise cosine ~0.74). Each step of Stage 2 that
 runs after embedding is timed with the process's peak RSS during the step (sampled every
 50 ms): k-means fit on the sample, assignment of all tags, coherence filter / cluster summary,
 cosine merge, tag -> concept map, chunk_concepts, taxonomy mapping. Labels come from a
@@ -61,9 +61,11 @@ class Peak:
         self.seconds = time.perf_counter() - self.t0
 
 
-def synthetic(n: int, d: int = 384, seed: int = 0, per_centre: int = 100, noise: float = 0.06) -> np.ndarray:
+def synthetic(n: int, d: int = 384, seed: int = 0, centres: int | None = None, noise: float = 0.03) -> np.ndarray:
+    """Unit vectors around ``centres`` random centres (default n / 100); ``noise`` per dimension
+    gives members of one centre a pairwise cosine of about 1 / (1 + d noise^2) = 0.74."""
     rng = np.random.default_rng(seed)
-    g = max(2, n // per_centre)
+    g = centres or max(2, n // 100)
     centres = cluster.normalize(rng.standard_normal((g, d), dtype=np.float32))
     x = np.empty((n, d), np.float32)
     step = 100_000
@@ -101,7 +103,7 @@ def run_size(n: int, k: int, cfg: Stage2Config, chunks_per_tag: float = 0.3) -> 
         print(f"  {name:<18} {p.seconds:8.1f} s   peak RSS {p.peak / 2**30:5.2f} GiB", flush=True)
 
     with Peak() as p:
-        x = synthetic(n)
+        x = synthetic(n, centres=k)
         tags = np.array([f"tag{i:07d}" for i in range(n)], dtype=object)
         counts = np.random.default_rng(2).zipf(1.6, n).clip(1, 10_000).astype(np.int64)
         emb = pa.table({"tag": pa.array(tags, pa.string()), "n_chunks": counts, "embedding": from_matrix(x)})
