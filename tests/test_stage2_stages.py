@@ -1,0 +1,85 @@
+"""Stage 2's runner stages chained on a real local Ray cluster, publishing to the local
+S3-compatible server (moto on 127.0.0.1).
+
+The runner's StageContext (issue 8, atlas/stage.py) may not be merged yet; ``Ctx`` below is
+the minimal context of the interface in HELPERS.md over atlas.storage, so these stages are
+exercised against that contract. Labelling uses the deterministic labeller behind an
+engine-shaped object (the real engine is covered by test_labelling_through_the_real_engine).
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from atlas import schemas, storage
+from atlas.config import RunConfig, StorageConfig
+from atlas.engine import GenerationStats
+from atlas.stage2 import stages
+from tests.stage2_fixtures import TOPICS, chunk_tags_for, chunks_for, make_labeller
+
+
+class _Engine:
+    model = "deterministic-labeller"
+    chat_template = None
+
+    def __init__(self):
+        self.labeller = make_labeller()
+
+    def generate(self, reqs, cache_root=None, use_cache=True):
+        return self.labeller(reqs), GenerationStats(rows=reqs.num_rows)
+
+
+class Ctx:
+    def __init__(self, root, cfg):
+        self.root, self.cfg, self.run_id = root, cfg, "test"
+        self.published: dict[str, int] = {}
+
+    def read(self, table):
+        return storage.read_dataset(self.root, table)
+
+    def read_table(self, table, columns=None):
+        return storage.read_table(self.root, table, columns=columns)
+
+    def publish(self, table, data, schema=None):
+        if isinstance(data, pa.Table):
+            info = storage.write_table(self.root, table, data)
+        else:
+            info = storage.write_dataset(self.root, table, data, schema=schema)
+        self.published[table] = info["rows"]
+        return info
+
+    def engine(self, model=None):
+        return _Engine()
+
+
+@pytest.mark.slow
+def test_stage2_stages_publish_to_s3(ray_cluster, s3_server, s3_client):
+    s3_client.create_bucket(Bucket="stage2")
+    cfg = RunConfig(
+        storage=StorageConfig(s3_endpoint=s3_server),
+        stage2=dict(tags_per_cluster=6, kmeans_redo=16, kmeans_iter=25, min_coherence=0.3, quality_report=True, quality_ks=[4, 8],
+                    gate_min_silhouette=-1.0),
+    )
+    root = storage.resolve("s3://stage2/run", cfg.storage)
+    ct = chunk_tags_for(TOPICS, chunks_per_topic=6)
+    storage.write_table(root, "chunk_tags", ct)
+    storage.write_table(root, "chunks", chunks_for(ct))
+    ctx = Ctx(root, cfg)
+    order = [s for s in stages.STAGES if s.enabled(cfg)]
+    assert [s.name for s in order] == ["stage2_embed", "stage2_cluster", "stage2_quality", "stage2_label", "stage2_concepts"]
+    stats = {}
+    for s in order:
+        for t in s.inputs:
+            assert storage.table_exists(root, t), f"{s.name} needs {t}"
+        stats[s.name] = s.run(ctx)
+        assert set(s.outputs) <= set(ctx.published), s.name
+    concepts = storage.read_table(root, "concepts")
+    assert concepts.num_rows == len(TOPICS)
+    assert all(c is not None for c in concepts.column("taxonomy_class").to_pylist())
+    cc = storage.read_table(root, "chunk_concepts")
+    assert cc.num_rows == ct.num_rows and cc.schema.equals(schemas.CHUNK_CONCEPTS, check_metadata=False)
+    keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket="stage2", Prefix="run/")["Contents"]]
+    assert "run/plots/concepts_taxonomy.png" in keys and "run/plots/concept_quality.png" in keys
+    assert any(k.startswith("run/chunk_concepts/v-") and k.endswith(".parquet") for k in keys)
+    assert stats["stage2_label"]["labelled"] == len(TOPICS) and stats["stage2_label"]["errors"] == 0
