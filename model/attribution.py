@@ -6,7 +6,7 @@
   (``sampling.GenerationTrace``). The path integral uses Gauss-Legendre nodes by default
   (``method="riemann_right"`` gives the anchor's right Riemann sum, where 1 step is input x
   gradient). Completeness is reported per explanation:
-  |sum(attr) - (F(x) - F(baseline))| / |F(x) - F(baseline)|.
+  |sum(attr) - (F(x) - F(baseline))| / max(|F(x) - F(baseline)|, 0.5 logit).
 * Concepts: the exact logit decomposition of the concept module,
   logit_y = sum_i k_i (K_i . W_y) + sum_j u_j (U_j . W_y) + eps . W_y, per token or summed
   over a token group, with ``verify(atol)``.
@@ -28,8 +28,12 @@ from model.sampling import GenerationTrace
 
 DEFAULT_IG_STEPS = 32
 DEFAULT_IG_METHOD = "gausslegendre"
-# Stated bound (issue 13): completeness error of a 32-step explanation on a trained model.
+# Stated bound (issue 13): completeness error <= 5% with 32 steps (checked on a tiny trained
+# model in tests/model/test_explain.py). The error is relative to max(|dF|, DELTA_FLOOR): a
+# token whose logit barely moves from the baseline (|dF| << 1 logit) has no meaningful
+# relative error, so below half a logit the gap is measured against half a logit.
 COMPLETENESS_BOUND = 0.05
+DELTA_FLOOR = 0.5
 
 
 # ----------------------------------------------------------------------------- IG
@@ -46,9 +50,14 @@ class InputAttribution:
     per_token_error: list[float] = field(default_factory=list)
 
     @property
+    def completeness_gap(self) -> float:
+        """Absolute completeness gap in logits: |sum(scores) - delta|."""
+        return abs(float(self.scores.sum()) - self.delta)
+
+    @property
     def completeness_error(self) -> float:
-        """Relative completeness gap of the group: |sum(scores) - delta| / |delta|."""
-        return abs(float(self.scores.sum()) - self.delta) / max(abs(self.delta), 1e-6)
+        """Relative completeness gap of the group: |sum(scores) - delta| / max(|delta|, floor)."""
+        return _rel(float(self.scores.sum()), self.delta)
 
     def check(self, bound: float = COMPLETENESS_BOUND) -> float:
         err = self.completeness_error
@@ -56,6 +65,10 @@ class InputAttribution:
             raise AssertionError(f"IG completeness error {err:.3%} > bound {bound:.0%} "
                                  f"for positions {self.positions} ({self.steps} steps)")
         return err
+
+
+def _rel(total: float, delta: float) -> float:
+    return abs(total - delta) / max(abs(delta), DELTA_FLOOR)
 
 
 def _target_logit(model, embeds: torch.Tensor, out_pos: int, token: int) -> torch.Tensor:
@@ -116,25 +129,38 @@ def integrated_gradients(model, snapshot: torch.Tensor, out_pos: int, token: int
 
 
 def explain_inputs(model, trace: GenerationTrace, positions, tokens: torch.Tensor, steps: int = DEFAULT_IG_STEPS,
-                   row: int = 0, method: str = DEFAULT_IG_METHOD) -> InputAttribution:
+                   row: int = 0, method: str = DEFAULT_IG_METHOD, refine_to: float | None = None,
+                   max_steps: int = 256) -> InputAttribution:
     """IG for a group of generated ``positions`` of row ``row``; each token is replayed on
     the snapshot it was committed from, and the group's attributions are summed over a
-    common axis of input positions 0..len(tokens)-1."""
+    common axis of input positions 0..len(tokens)-1.
+
+    ``refine_to``: if a token's completeness error exceeds it, double its steps (up to
+    ``max_steps``); ``steps`` of the result is then the largest count used.
+    """
     positions = [int(p) for p in (positions if hasattr(positions, "__iter__") else [positions])]
     toks = tokens.view(-1) if tokens.dim() == 1 else tokens[row]
     L = toks.shape[0]
     total = np.zeros(L)
     delta = 0.0
     errs, ids = [], []
+    used = steps
     for p in positions:
         snap, out_pos = trace.source(row, p)
         tok = int(toks[p])
-        attr, f_x, f_b = integrated_gradients(model, snap, out_pos, tok, steps, method)
+        m = steps
+        while True:
+            attr, f_x, f_b = integrated_gradients(model, snap, out_pos, tok, m, method)
+            err = _rel(float(attr.sum()), f_x - f_b)
+            if refine_to is None or err <= refine_to or m * 2 > max_steps:
+                break
+            m *= 2
+        used = max(used, m)
         total[: attr.shape[0]] += attr
         delta += f_x - f_b
-        errs.append(abs(attr.sum() - (f_x - f_b)) / max(abs(f_x - f_b), 1e-6))
+        errs.append(err)
         ids.append(tok)
-    return InputAttribution(positions, ids, total, delta, steps, method, errs)
+    return InputAttribution(positions, ids, total, delta, used, method, errs)
 
 
 # ----------------------------------------------------------------------------- concepts
