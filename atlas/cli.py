@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     from atlas import cli_scaling
 
     cli_scaling.add_commands(sub)
+    from atlas import cli_explain
+
+    cli_explain.add_commands(sub)
     return p
 
 

@@ -197,3 +197,52 @@ def test_ar_steering_hits_only_the_next_position():
     with torch.no_grad():
         d = model(x, steer=st(x)) - model(x)
     assert d[0, :-1].abs().max() == 0 and float(d[0, -1].max()) == pytest.approx(2.0, abs=1e-4)
+
+
+def test_cli_explain_and_steer_reports_render_in_chromium(trained, tmp_path, capsys):
+    import shutil
+
+    from atlas.cli import main
+    from model.io import save_pretrained
+
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    pw = pytest.importorskip("playwright.sync_api")
+    model, tok, names = trained
+    mdir = tmp_path / "model"
+    save_pretrained(model, mdir, tok, names)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(planted_docs()), encoding="utf-8")
+    out = tmp_path / "explain.html"
+    assert main(["explain", str(mdir), "Guitar melody album", "--max-new-tokens", "8", "--steps-per-block", "4",
+                 "--corpus", str(corpus), "--chunk-len", "16", "--out", str(out), "--threads", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "generated:" in printed and "report:" in printed and (mdir / "retrieval" / "index.faiss").exists()
+    page_html = out.read_text()
+    assert "http://" not in page_html and "https://" not in page_html  # self-contained: no external assets
+    name = next(n for n in names if n)
+    steer_out = tmp_path / "steer.html"
+    assert main(["steer", str(mdir), "Guitar melody album", "--concept", f"{name}=6", "--max-new-tokens", "8",
+                 "--steps-per-block", "4", "--out", str(steer_out)]) == 0
+    assert "unsteered:" in capsys.readouterr().out
+    assert main(["steer", str(mdir), "x", "--concept", "nonexistent=2", "--out", str(steer_out)]) == 2
+
+    with pw.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
+        page = browser.new_page()
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(out.as_uri())
+        assert page.title() == "Steerling explanation"
+        assert page.inner_text("#selection") == "all generated tokens"
+        assert page.locator("#heat .tok").count() == len(tok.encode("Guitar melody album").ids) + 8
+        # the heat map is coloured by the JS from the embedded data, and concept bars are drawn
+        assert page.locator("#heat .tok[title^='attribution']").count() > 0
+        assert page.locator("#concepts .bar").count() >= 2 and "residual" in page.inner_text("#concepts")
+        assert "docs#" in page.inner_text("#retrieval")
+        page.locator(".gen").first.click()
+        assert page.inner_text("#selection").startswith("token 1:")
+        page.goto(steer_out.as_uri())
+        assert page.title() == "Steerling steering report" and name in page.inner_text("body")
+        assert page.inner_text("#steered") and page.inner_text("#unsteered")
+        browser.close()
+    assert not errors, errors
