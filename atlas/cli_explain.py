@@ -46,6 +46,7 @@ def _parse_concepts(items: list[str]) -> dict:
 def _explain(args: argparse.Namespace, steering_spec: dict | None = None) -> int:
     import torch
 
+    from model.attribution import COMPLETENESS_BOUND
     from model.report import explain, write_report
     from model.steering import make_steering
 
@@ -60,7 +61,8 @@ def _explain(args: argparse.Namespace, steering_spec: dict | None = None) -> int
             return 2
     index = _index(args, model, tok)
     ex = explain(model, tok, args.prompt, names, args.max_new_tokens, args.steps_per_block, args.ig_steps, args.top,
-                 index, args.k, steering, model_name=args.model)
+                 index, args.k, steering, model_name=args.model,
+                 ig_refine_to=None if args.no_ig_refine else COMPLETENESS_BOUND)
     title = "Steerling steering report" if steering else "Steerling explanation"
     path = write_report(ex, args.out, title)
     if args.json:
@@ -72,7 +74,8 @@ def _explain(args: argparse.Namespace, steering_spec: dict | None = None) -> int
         if ex.concepts_group:
             tops = ", ".join(f"{c['name']} ({c['value']:+.2f})" for c in ex.concepts_group["known"])
             print(f"top known concepts: {tops}")
-        print(f"IG completeness error: whole {100 * ex.ig_group_error:.2f}%, worst token {100 * max(ex.ig_errors):.2f}%")
+        print(f"IG completeness error: whole {100 * ex.ig_group_error:.2f}%, worst token {100 * max(ex.ig_errors):.2f}% "
+              f"({args.ig_steps} steps, up to {max(ex.ig_token_steps)} where refined)")
         for h in ex.retrieval[:3]:
             print(f"  chunk {h['chunk_id']} ({h['score']:.3f}): {h['text'][:80]!r}")
         print(f"report: {path}")
@@ -99,6 +102,8 @@ def add_commands(sub) -> None:
         sp.add_argument("--max-new-tokens", type=int, default=32)
         sp.add_argument("--steps-per-block", type=int, help="diffusion steps per block (default: block size)")
         sp.add_argument("--ig-steps", type=int, default=32, help="Integrated Gradients steps")
+        sp.add_argument("--no-ig-refine", action="store_true",
+                        help="keep --ig-steps even where a token's completeness error exceeds 5%%")
         sp.add_argument("--top", type=int, default=5, help="concepts shown per token")
         sp.add_argument("--k", type=int, default=5, help="training chunks retrieved")
         sp.add_argument("--index", help="training-data index URI (default: <model>/retrieval)")

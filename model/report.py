@@ -32,6 +32,7 @@ class Explanation:
     ig_group: list[float]  # IG over input positions for the whole generation
     ig_tokens: list[list[float]]  # per generated token
     ig_errors: list[float]  # per-token completeness error
+    ig_token_steps: list[int]  # IG steps used per token (more than ig_steps only when refined)
     ig_group_error: float
     concepts_group: dict
     concepts_tokens: list[dict]
@@ -54,8 +55,14 @@ def _concepts_dict(ca, names, top: int) -> dict:
 
 def explain(model, tokenizer, prompt: str, names: list[str] | None = None, max_new_tokens: int = 32,
             steps_per_block: int | None = None, ig_steps: int = DEFAULT_IG_STEPS, top: int = 5, index=None, k: int = 5,
-            steering: Steering | None = None, model_name: str = "") -> Explanation:
-    """Generate (greedy) and explain every generated token; see the module docstring."""
+            steering: Steering | None = None, model_name: str = "",
+            ig_refine_to: float | None = COMPLETENESS_BOUND) -> Explanation:
+    """Generate (greedy) and explain every generated token; see the module docstring.
+
+    ``ig_refine_to``: a token whose IG completeness error exceeds this after ``ig_steps``
+    steps is recomputed with doubled steps (up to 256); sharp logit transitions along the
+    path (trained attention switching) can need 64-128 steps. None keeps ``ig_steps``.
+    """
     t0 = time.perf_counter()
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
     if not ids:
@@ -71,7 +78,7 @@ def explain(model, tokenizer, prompt: str, names: list[str] | None = None, max_n
     seq = out[0]
     P, T = len(ids), seq.shape[0]
     gen = list(range(P, T))
-    per_ig = [explain_inputs(model, trace, [p], seq, ig_steps, refine_to=None) for p in gen]
+    per_ig = [explain_inputs(model, trace, [p], seq, ig_steps, refine_to=ig_refine_to) for p in gen]
     group_scores = np.sum([a.scores for a in per_ig], axis=0)
     group_delta = sum(a.delta for a in per_ig)
     group_ig = InputAttribution(gen, [int(seq[p]) for p in gen], group_scores, group_delta, ig_steps)
@@ -91,7 +98,8 @@ def explain(model, tokenizer, prompt: str, names: list[str] | None = None, max_n
         prompt=prompt, text=tokenizer.decode(seq[P:].tolist()),
         pieces=[tokenizer.decode([int(t)]) for t in seq.tolist()], prompt_len=P, ig_steps=ig_steps,
         ig_group=group_ig.scores.tolist(), ig_tokens=[a.scores.tolist() for a in per_ig],
-        ig_errors=[float(a.per_token_error[0]) for a in per_ig], ig_group_error=group_ig.completeness_error,
+        ig_errors=[float(a.per_token_error[0]) for a in per_ig], ig_token_steps=[a.steps for a in per_ig],
+        ig_group_error=group_ig.completeness_error,
         concepts_group=_concepts_dict(group_c, names, top) if group_c is not None else {},
         concepts_tokens=concepts, retrieval=hits,
         steering=({"layer": steering.layer, "groups": steering.groups} if steering is not None else None),
@@ -142,7 +150,7 @@ function select(j){
   document.querySelectorAll('.gen').forEach(e=>e.classList.remove('sel'));
   if(j===null){ showHeat(D.ig_group, 'all generated tokens'); bars('concepts', D.concepts_group); return; }
   document.querySelector(`.gen[data-j="${j}"]`).classList.add('sel');
-  showHeat(D.ig_tokens[j], `token ${j+1}: "${D.pieces[D.prompt_len+j]}" (completeness error ${(100*D.ig_errors[j]).toFixed(2)}%)`);
+  showHeat(D.ig_tokens[j], `token ${j+1}: "${D.pieces[D.prompt_len+j]}" (completeness error ${(100*D.ig_errors[j]).toFixed(2)}%, ${D.ig_token_steps[j]} steps)`);
   bars('concepts', D.concepts_tokens[j]);
 }
 document.querySelectorAll('.gen').forEach(e=>e.addEventListener('click', ()=>select(+e.dataset.j)));
@@ -181,7 +189,8 @@ def render_html(ex: Explanation, title: str = "Steerling explanation") -> str:
 <body>
 <h1>{esc(title)}</h1>
 <p class="muted">model {esc(ex.model)} &middot; {len(ex.pieces) - ex.prompt_len} generated tokens &middot;
-IG {ex.ig_steps} steps from an all-[MASK] baseline, replayed on each token's commit snapshot &middot;
+IG {ex.ig_steps} steps (Gauss-Legendre; up to {max(ex.ig_token_steps, default=ex.ig_steps)} where refined)
+from an all-[MASK] baseline, replayed on each token's commit snapshot &middot;
 completeness error: whole generation {100 * ex.ig_group_error:.2f}%, worst token {100 * worst:.2f}%
 (bound {100 * COMPLETENESS_BOUND:.0f}%) &middot; {ex.seconds:.1f} s</p>
 <p><b>prompt:</b> {esc(ex.prompt)}<br><b>generated:</b> <span id="generated">{esc(ex.text)}</span></p>

@@ -85,6 +85,9 @@ def test_integrated_gradients_completeness_within_bound(trained):
         errs.append(ia.check(COMPLETENESS_BOUND))
     group = explain_inputs(model, trace, list(range(P, out.shape[1])), out, steps=32)
     assert group.check(COMPLETENESS_BOUND) <= COMPLETENESS_BOUND and len(group.per_token_error) == out.shape[1] - P
+    # refinement (doubling the steps of a token above the bound) never makes it worse
+    refined = explain_inputs(model, trace, list(range(P, out.shape[1])), out, steps=8, refine_to=COMPLETENESS_BOUND)
+    assert max(refined.per_token_error) <= COMPLETENESS_BOUND and refined.steps >= 8
     # the right Riemann sum with one step is input x gradient: same attribution mass sign, cruder
     snap, pos = trace.source(0, P)
     a1, fx, fb = integrated_gradients(model, snap, pos, int(out[0, P]), steps=1, method="riemann_right")
