@@ -15,7 +15,6 @@ estimate: a hit means "the model represents this training chunk like the output"
 from __future__ import annotations
 
 import io
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
