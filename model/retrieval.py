@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 import torch
 
@@ -58,6 +59,20 @@ def corpus_chunks(corpus, tokenizer, chunk_len: int = 64, val_fraction: float | 
             rows["source"].append(source)
             rows["text"].append(text)
     return pa.table(rows, schema=CHUNK_SCHEMA)
+
+
+def atlas_chunks(chunks: pa.Table, documents: pa.Table | None = None) -> pa.Table:
+    """Index input from Atlas tables: ``chunks`` (chunk_id, doc_id, text, ...) joined with
+    ``documents`` (doc_id, source) for the source URI; without documents, source = doc_id."""
+    base = chunks.select(["chunk_id", "doc_id", "text"])
+    if documents is None:
+        src = base.column("doc_id")
+    else:
+        joined = base.join(documents.select(["doc_id", "source"]), "doc_id", join_type="left outer")
+        joined = joined.take(pa.compute.sort_indices(joined, [("chunk_id", "ascending")]))
+        base, src = joined.select(["chunk_id", "doc_id", "text"]), joined.column("source")
+    return pa.table({"chunk_id": base.column("chunk_id"), "doc_id": base.column("doc_id"), "source": src,
+                     "text": base.column("text")}, schema=CHUNK_SCHEMA)
 
 
 # ----------------------------------------------------------------------------- vectors

@@ -253,3 +253,19 @@ def test_cli_explain_and_steer_reports_render_in_chromium(trained, tmp_path, cap
         assert page.inner_text("#steered") and page.inner_text("#unsteered")
         browser.close()
     assert not errors, errors
+
+
+def test_atlas_chunk_tables_feed_the_index():
+    import pyarrow as pa
+
+    from atlas.schemas import CHUNKS
+    from model.retrieval import CHUNK_SCHEMA, atlas_chunks
+
+    chunks = pa.table({"chunk_id": ["b-00001", "a-00000"], "doc_id": ["b", "a"], "chunk_index": [1, 0],
+                       "text": ["two", "one"], "n_tokens": [1, 1], "char_start": [3, 0], "char_end": [6, 3]},
+                      schema=CHUNKS)
+    docs = pa.table({"doc_id": ["a", "b"], "source": ["s3://c/a.txt", "s3://c/b.txt"]})
+    t = atlas_chunks(chunks, docs)
+    assert t.schema == CHUNK_SCHEMA
+    assert t.to_pylist() == [{"chunk_id": "a-00000", "doc_id": "a", "source": "s3://c/a.txt", "text": "one"},
+                             {"chunk_id": "b-00001", "doc_id": "b", "source": "s3://c/b.txt", "text": "two"}]
