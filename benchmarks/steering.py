@@ -16,7 +16,10 @@ Scores (0-2 each, as AxBench's ratings):
            different model, the embedded Gemma 3 270M (transformers), mapped to 0-2 by two
            anchors measured in this run: 2 at the median perplexity of the corpus's own
            held-out continuations of the same prompts, 0 at the median perplexity of random
-           token strings from the Steerling vocabulary (log-linear in between, clipped).
+           token strings from the Steerling vocabulary (log-linear in between, clipped);
+           times a repetition factor, min(1, distinct-word ratio / reference ratio), because
+           perplexity alone rewards degenerate loops ("the the the ..." scores below the
+           reference perplexity) where AxBench's fluency judge would not.
   harmonic 2 c q / (c + q), 0 if either is 0 (zero veto). AxBench also rates instruction
            relevance; our prompts are text openings, not instructions, so it is left out.
 
@@ -125,6 +128,11 @@ class Fluency:
         return 2.0 * min(1.0, max(0.0, (self.hi - lp) / (self.hi - self.lo)))
 
 
+def distinct_ratio(text: str) -> float:
+    words = text.lower().split()
+    return len(set(words)) / len(words) if words else 0.0
+
+
 def harmonic(c: float, q: float) -> float:
     return 0.0 if c <= 0 or q <= 0 else 2 * c * q / (c + q)
 
@@ -206,13 +214,16 @@ def main() -> None:
     rnd_texts = [tok.decode(torch.randint(5, tok.get_vocab_size(), (args.new_tokens,)).tolist()) for _ in pairs]
     rnd_lp = flu.log_ppl([p for p, _ in pairs], rnd_texts)
     flu.calibrate(ref_lp, rnd_lp)
-    log(f"fluency anchors: reference ppl {math.exp(flu.lo):.1f} -> 2, random ppl {math.exp(flu.hi):.1f} -> 0")
+    ref_distinct = statistics.median(distinct_ratio(c) for _, c in pairs)
+    log(f"fluency anchors: reference ppl {math.exp(flu.lo):.1f} -> 2, random ppl {math.exp(flu.hi):.1f} -> 0; "
+        f"reference distinct-word ratio {ref_distinct:.2f}")
 
     def score(prompts, texts, concept):
         lps = flu.log_ppl(prompts, texts)
         rows = []
         for t, lp in zip(texts, lps):
-            c, q = concept_score(t, concept), flu.score(lp)
+            c = concept_score(t, concept)
+            q = flu.score(lp) * min(1.0, distinct_ratio(t) / ref_distinct)
             rows.append({"concept": c, "quality": q, "harmonic": harmonic(c, q), "ppl": math.exp(lp) if math.isfinite(lp) else None, "text": t})
         return rows
 
@@ -261,7 +272,7 @@ def main() -> None:
               "quality_vs_unsteered": ratio(s_["quality"], u["quality"])}
     print()
     print(f"Steering benchmark (Table 10 format): {len(concepts)} random concepts x {len(test)} test prompts; "
-          f"concept = keyword scorer, quality = Gemma-3-270M perplexity mapped to 0-2")
+          f"concept = keyword scorer, quality = Gemma-3-270M perplexity mapped to 0-2 x repetition factor")
     print("| condition | concept (0-2) | quality (0-2) | harmonic |")
     print("|---|---|---|---|")
     for name in ("unsteered", "prompting", "steered", "random"):
@@ -275,6 +286,7 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({"table": table, "ratios": ratios, "goals": GOALS, "chosen": chosen,
                                                   "concepts": concepts, "rows": results, "model": str(ckpt),
                                                   "fluency_anchor_ppl": [math.exp(flu.lo), math.exp(flu.hi)],
+                                                  "reference_distinct_ratio": ref_distinct,
                                                   "loadavg": os.getloadavg()}, indent=1))
 
 

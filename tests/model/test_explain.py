@@ -26,7 +26,9 @@ TOPICS = [
     "Orchard apple pear plum cherry blossom harvest basket ladder farmer cider barn.",
     "Glacier summit snow ridge climber rope ice peak valley avalanche tent storm.",
 ]
-PLANTED = "Zephyr quokka telescope obsidian marmalade."
+# words of five different topics in an order that occurs once in the corpus: whole tokens,
+# so the sentence fits in one or two index chunks
+PLANTED = "Glacier cannon melody harbour locomotive summit."
 
 
 def planted_docs() -> list[str]:
@@ -131,10 +133,10 @@ def test_retrieval_returns_planted_chunk(trained, tmp_path, s3_server, s3_client
     from model.retrieval import TrainingDataIndex, build_and_save, load_for_model
 
     model, tok, _ = trained
-    idx = build_and_save(model, tok, str(tmp_path / "model"), planted_docs(), chunk_len=16, val_fraction=0.1)
+    idx = build_and_save(model, tok, str(tmp_path / "model"), planted_docs(), chunk_len=24, val_fraction=0.1)
     chunks = idx.chunks.to_pylist()
     assert not any("Held out" in c["text"] for c in chunks)  # validation text is not indexed
-    planted = {c["chunk_id"] for c in chunks if "quokka" in c["text"] or "obsidian" in c["text"]}
+    planted = {c["chunk_id"] for c in chunks if "cannon melody" in c["text"] or "harbour locomotive" in c["text"]}
     assert planted and len(planted) <= 2
     # a memorised output: the planted sentence reproduced verbatim after some context
     ctx = tok.encode("Glacier summit snow ridge. ").ids
