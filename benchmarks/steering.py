@@ -60,13 +60,14 @@ def log(msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------- model
-def train_model(out: Path, steps: int, corpus: Path, d_model: int = 128, n_layers: int = 4, seq_len: int = 128) -> Path:
+def train_model(out: Path, steps: int, corpus: Path, d_model: int = 128, n_layers: int = 4, seq_len: int = 128,
+                lr: float = 3e-3) -> Path:
     from model.loop import train
 
     mc = ModelConfig.preset("tiny", family="cdlm_concept", vocab_size=2048, d_model=d_model, n_layers=n_layers,
                             n_heads=4, n_kv_heads=2, max_seq_len=128, block_size=16, n_known=48, n_unknown=144,
                             topk_known=4, topk_unknown=8)
-    tc = TrainConfig(steps=steps, batch_size=8, seq_len=seq_len, chunk_len=min(64, seq_len), lr=3e-3, warmup_steps=20,
+    tc = TrainConfig(steps=steps, batch_size=8, seq_len=seq_len, chunk_len=min(64, seq_len), lr=lr, warmup_steps=20,
                      eval_every=max(1, steps // 4), eval_batches=2, seed=0, val_fraction=0.1)
     res = train(mc, tc, str(corpus), out_dir=out, progress=True, device="cpu")
     log(f"trained: val_loss {res.final['val_loss']:.3f}, known-concept alignment hit@20 "
@@ -162,6 +163,7 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--n-layers", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--concepts", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=8, help="half held out for strength selection, half for test")
     ap.add_argument("--new-tokens", type=int, default=24)
@@ -179,7 +181,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Path(args.model) if args.model else train_model(out / "model", args.train_steps, Path(args.corpus), args.d_model,
-                                                            args.n_layers, args.seq_len)
+                                                            args.n_layers, args.seq_len, args.lr)
     model, tok, names = load_pretrained(ckpt)
     model.eval()
     cfg = model.cfg
