@@ -81,16 +81,21 @@ def _normalise(v: np.ndarray) -> np.ndarray:
     return v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
 
 
-@torch.no_grad()
 def embed_texts(model, tokenizer, texts: list[str], batch_size: int = 32) -> np.ndarray:
     """Normalised mean-pooled final hidden states (N, d) of each text on its own."""
+    return embed_ids(model, [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)], batch_size)
+
+
+@torch.no_grad()
+def embed_ids(model, seqs: list[list[int]], batch_size: int = 32) -> np.ndarray:
+    """Normalised mean-pooled final hidden states (N, d) of each token sequence on its own."""
     was = model.training
     model.eval()
     device = model.tok_emb.weight.device
     max_len = model.cfg.max_seq_len
-    out = np.zeros((len(texts), model.cfg.d_model), dtype=np.float32)
+    out = np.zeros((len(seqs), model.cfg.d_model), dtype=np.float32)
     try:
-        encs = [e.ids[:max_len] or [model.cfg.pad_token_id] for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+        encs = [list(s)[:max_len] or [model.cfg.pad_token_id] for s in seqs]
         order = sorted(range(len(encs)), key=lambda i: len(encs[i]))  # similar lengths share a batch
         for lo in range(0, len(order), batch_size):
             idx = order[lo:lo + batch_size]
@@ -113,10 +118,17 @@ def embed_texts(model, tokenizer, texts: list[str], batch_size: int = 32) -> np.
 
 
 @torch.no_grad()
-def embed_span(model, ids: torch.Tensor, start: int, end: int) -> np.ndarray:
-    """Normalised mean of h over positions [start, end) of a finished sequence (1, T) or (T,)."""
+def embed_span(model, ids: torch.Tensor, start: int, end: int, in_context: bool = False) -> np.ndarray:
+    """Normalised mean of h over positions [start, end) of a finished sequence (1, T) or (T,).
+
+    By default the span is run on its own, exactly as the training chunks were embedded, so
+    a verbatim (memorised) span lands on its source chunk; ``in_context=True`` pools the
+    span's states inside the whole sequence instead (what the model computed while writing).
+    """
     if not 0 <= start < end:
         raise ValueError(f"empty span [{start}, {end})")
+    if not in_context:
+        return embed_ids(model, [ids.view(-1)[start:end].tolist()])
     was = model.training
     model.eval()
     try:
@@ -182,9 +194,10 @@ class TrainingDataIndex:
                         for r, (s, i) in enumerate(zip(srow, irow)) if i >= 0])
         return out
 
-    def search_span(self, model, ids: torch.Tensor, start: int, end: int, k: int = 5) -> list[Hit]:
+    def search_span(self, model, ids: torch.Tensor, start: int, end: int, k: int = 5,
+                    in_context: bool = False) -> list[Hit]:
         """Top-k training chunks for positions [start, end) of a generated sequence."""
-        return self.search_vectors(embed_span(model, ids, start, end), k)[0]
+        return self.search_vectors(embed_span(model, ids, start, end, in_context), k)[0]
 
     def search_text(self, model, tokenizer, text: str, k: int = 5) -> list[Hit]:
         return self.search_vectors(embed_texts(model, tokenizer, [text]), k)[0]

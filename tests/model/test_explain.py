@@ -26,9 +26,10 @@ TOPICS = [
     "Orchard apple pear plum cherry blossom harvest basket ladder farmer cider barn.",
     "Glacier summit snow ridge climber rope ice peak valley avalanche tent storm.",
 ]
-# words of five different topics in an order that occurs once in the corpus: whole tokens,
-# so the sentence fits in one or two index chunks
-PLANTED = "Glacier cannon melody harbour locomotive summit."
+# words of all six topics in an order that occurs once in the corpus (whole tokens): the
+# planted chunk is the only training text that mixes them like this
+PLANTED = ("Glacier cannon melody harbour locomotive summit apple drummer fortress whale signal ridge "
+           "cider chorus troops coral platform rope.")
 
 
 def planted_docs() -> list[str]:
@@ -136,11 +137,11 @@ def test_retrieval_returns_planted_chunk(trained, tmp_path, s3_server, s3_client
     idx = build_and_save(model, tok, str(tmp_path / "model"), planted_docs(), chunk_len=24, val_fraction=0.1)
     chunks = idx.chunks.to_pylist()
     assert not any("Held out" in c["text"] for c in chunks)  # validation text is not indexed
-    planted = {c["chunk_id"] for c in chunks if "cannon melody" in c["text"] or "harbour locomotive" in c["text"]}
-    assert planted and len(planted) <= 2
-    # a memorised output: the planted sentence reproduced verbatim after some context
+    planted = {c["chunk_id"] for c in chunks if "fortress whale" in c["text"]}
+    assert len(planted) == 1
+    # a memorised output: part of the planted sentence reproduced verbatim after some context
     ctx = tok.encode("Glacier summit snow ridge. ").ids
-    span = tok.encode(PLANTED).ids
+    span = tok.encode(" ".join(PLANTED.split()[4:14])).ids
     ids = torch.tensor(ctx + span)
     loaded = load_for_model(str(tmp_path / "model"))
     hits = loaded.search_span(model, ids, len(ctx), len(ids), k=3)
@@ -148,8 +149,9 @@ def test_retrieval_returns_planted_chunk(trained, tmp_path, s3_server, s3_client
     assert hits[0].source and hits[0].text and hits[0].score > hits[-1].score - 1e-6
     # an ordinary generation retrieves its topic's document
     prompt, out, _ = _generation(trained, "Locomotive station freight")
-    topic = loaded.search_span(model, out[0], len(prompt), out.shape[1], k=1)[0]
+    topic = loaded.search_span(model, out[0], 0, out.shape[1], k=1)[0]
     assert "Locomotive" in topic.text or "freight" in topic.text
+    assert loaded.search_span(model, out[0], len(prompt), out.shape[1], k=2, in_context=True)  # pooled in context
     # stored on S3 (moto) through pyarrow.fs and read back identically
     s3_client.create_bucket(Bucket="explain-idx")
     cfg = StorageConfig(s3_endpoint=s3_server)
