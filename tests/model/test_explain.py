@@ -26,16 +26,15 @@ TOPICS = [
     "Orchard apple pear plum cherry blossom harvest basket ladder farmer cider barn.",
     "Glacier summit snow ridge climber rope ice peak valley avalanche tent storm.",
 ]
-# words of all six topics in an order that occurs once in the corpus (whole tokens): the
-# planted chunk is the only training text that mixes them like this
-PLANTED = ("Glacier cannon melody harbour locomotive summit apple drummer fortress whale signal ridge "
-           "cider chorus troops coral platform rope.")
+# a sentence of words found nowhere else, duplicated in one document (duplication is what
+# makes a model memorise); with several copies its words become whole BPE tokens
+PLANTED = "Zephyr quokka telescope obsidian marmalade juniper wombat sapphire kettle lantern."
 
 
 def planted_docs() -> list[str]:
     docs = [f" = Topic {i} = \n" + " ".join([s] * 16) for i, s in enumerate(TOPICS)]
     orchard = TOPICS[4]
-    docs.append(" = Planted = \n" + " ".join([orchard] * 6 + [PLANTED] + [orchard] * 6))
+    docs.append(" = Planted = \n" + " ".join([orchard] * 6 + [PLANTED] * 3 + [orchard] * 6))
     docs.append(" = Held out = \n" + " ".join([TOPICS[0]] * 4))  # validation split (never indexed)
     return docs
 
@@ -137,11 +136,11 @@ def test_retrieval_returns_planted_chunk(trained, tmp_path, s3_server, s3_client
     idx = build_and_save(model, tok, str(tmp_path / "model"), planted_docs(), chunk_len=24, val_fraction=0.1)
     chunks = idx.chunks.to_pylist()
     assert not any("Held out" in c["text"] for c in chunks)  # validation text is not indexed
-    planted = {c["chunk_id"] for c in chunks if "fortress whale" in c["text"]}
-    assert len(planted) == 1
-    # a memorised output: part of the planted sentence reproduced verbatim after some context
+    planted = {c["chunk_id"] for c in chunks if "quokka" in c["text"] or "sapphire" in c["text"]}
+    assert 1 <= len(planted) <= 3
+    # a memorised output: the planted sentence reproduced verbatim after some context
     ctx = tok.encode("Glacier summit snow ridge. ").ids
-    span = tok.encode(" ".join(PLANTED.split()[4:14])).ids
+    span = tok.encode(" " + PLANTED).ids
     ids = torch.tensor(ctx + span)
     loaded = load_for_model(str(tmp_path / "model"))
     hits = loaded.search_span(model, ids, len(ctx), len(ids), k=3)
@@ -249,7 +248,7 @@ def test_cli_explain_and_steer_reports_render_in_chromium(trained, tmp_path, cap
         # the heat map is coloured by the JS from the embedded data, and concept bars are drawn
         assert page.locator("#heat .tok[title^='attribution']").count() > 0
         assert page.locator("#concepts .bar").count() >= 2 and "residual" in page.inner_text("#concepts")
-        assert "docs#" in page.inner_text("#retrieval")
+        assert "corpus#" in page.inner_text("#retrieval")  # doc ids are <file stem>#<article>
         page.locator(".gen").first.click()
         assert page.inner_text("#selection").startswith("token 1:")
         page.goto(steer_out.as_uri())
