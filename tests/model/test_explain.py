@@ -146,11 +146,11 @@ def test_retrieval_returns_planted_chunk(trained, tmp_path, s3_server, s3_client
     hits = loaded.search_span(model, ids, len(ctx), len(ids), k=3)
     assert hits[0].chunk_id in planted and hits[0].doc_id == "docs#6"  # the planted document
     assert hits[0].source and hits[0].text and hits[0].score > hits[-1].score - 1e-6
-    # an ordinary generation retrieves its topic's document
-    prompt, out, _ = _generation(trained, "Locomotive station freight")
-    topic = loaded.search_span(model, out[0], 0, out.shape[1], k=1)[0]
-    assert "Locomotive" in topic.text or "freight" in topic.text
-    assert loaded.search_span(model, out[0], len(prompt), out.shape[1], k=2, in_context=True)  # pooled in context
+    # a training-text span at the start of a generation retrieves its topic's document
+    prompt, out, _ = _generation(trained, "Locomotive station freight carriage signal platform")
+    topic = loaded.search_span(model, out[0], 0, len(prompt), k=1)[0]
+    assert topic.doc_id == "docs#2", topic
+    assert len(loaded.search_span(model, out[0], len(prompt), out.shape[1], k=2, in_context=True)) == 2
     # stored on S3 (moto) through pyarrow.fs and read back identically
     s3_client.create_bucket(Bucket="explain-idx")
     cfg = StorageConfig(s3_endpoint=s3_server)
@@ -207,6 +207,7 @@ def test_ar_steering_hits_only_the_next_position():
     assert d[0, :-1].abs().max() == 0 and float(d[0, -1].max()) == pytest.approx(2.0, abs=1e-4)
 
 
+@pytest.mark.slow  # launches a browser
 def test_cli_explain_and_steer_reports_render_in_chromium(trained, tmp_path, capsys):
     import shutil
 
