@@ -137,15 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("schemas", help="print the tables' schemas as Markdown")
     sc.set_defaults(func=_schemas)
 
-    from atlas import cli_scaling
+    from atlas import cli_concepts, cli_explain, cli_scaling, cli_train
 
-    cli_scaling.add_commands(sub)
-    from atlas import cli_train
-
-    cli_train.add_commands(sub)
-    from atlas import cli_concepts
-
-    cli_concepts.add_commands(sub)
+    for module in (cli_scaling, cli_train, cli_concepts, cli_explain):
+        module.add_commands(sub)
     return p
 
 

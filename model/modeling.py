@@ -281,9 +281,11 @@ class Steerling(nn.Module):
         return self._mask_cache[key]
 
     # -- forward pieces
-    def hidden(self, idx: torch.Tensor, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(self, idx: torch.Tensor, input_embeds: torch.Tensor | None = None, steer=None) -> torch.Tensor:
         """Final-normed hidden state h (B, T, d). ``input_embeds`` replaces the token lookup
-        (used by Integrated Gradients over input embeddings)."""
+        (used by Integrated Gradients over input embeddings). ``steer(i, x) -> x`` (optional,
+        model/steering.py) edits the residual stream entering block i, and the final normed
+        state as i == n_layers; None leaves the forward pass untouched."""
         B, T = idx.shape if input_embeds is None else input_embeds.shape[:2]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} > max_seq_len {self.cfg.max_seq_len}")
@@ -291,17 +293,21 @@ class Steerling(nn.Module):
         device = x.device
         mask_info = self._mask_info(T, device)
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
+            if steer is not None:
+                x = steer(i, x)
             x = block(x, cos, sin, mask_info)
-        return self.norm(x)
+        h = self.norm(x)
+        return h if steer is None else steer(len(self.blocks), h)
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         return h @ self.lm_weight.to(h.dtype).t()
 
-    def forward(self, idx: torch.Tensor, return_concepts: bool = False):
+    def forward(self, idx: torch.Tensor, return_concepts: bool = False, steer=None):
         """Logits (B, T, V) for every position; with ``return_concepts`` also the
-        ConceptOutput over the flattened B*T positions (None for non-concept families)."""
-        h = self.hidden(idx)
+        ConceptOutput over the flattened B*T positions (None for non-concept families).
+        ``steer``: optional residual-stream hook, see ``hidden``."""
+        h = self.hidden(idx, steer=steer)
         co = None
         if self.concept is not None:
             B, T, d = h.shape

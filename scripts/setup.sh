@@ -29,6 +29,11 @@ else
   "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . >"$log" 2>&1 || { cat "$log"; exit 1; }
   rm -f "$log"
 fi
+# Headless Chromium for the HTML-report test (playwright drives the system browser); only
+# where apt-get exists and we are root, and only when it is missing.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -q && apt-get install -y -q chromium) >/dev/null || echo "[setup] chromium install failed; the report test will skip"
+fi
 # Convert the packaged GGUF model once (cached under ~/.cache/atlas/models).
 HF_HUB_OFFLINE=1 "$VENV/bin/atlas" prepare-model gemma3-270m >/dev/null
 echo "[setup] ready: $VENV"
