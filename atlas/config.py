@@ -125,7 +125,7 @@ class Stage3Config(_Section):
     learning_rate: float = Field(default=0.02, gt=0)
     batch_size: int = Field(default=128, ge=1)
     val_fraction: float = Field(default=0.15, gt=0, lt=0.5, description="Chunks (by id hash) held out to calibrate thresholds.")
-    test_fraction: float = Field(default=0.15, ge=0, lt=0.5, description="Chunks (by id hash) held out for evaluation.")
+    test_fraction: float = Field(default=0.15, ge=0, lt=0.9, description="Chunks (by id hash) held out for evaluation.")
     min_concept_chunks: int = Field(default=3, ge=1, description="Concepts with fewer labelled chunks are left out of the annotator.")
     train_workers: int = Field(default=1, ge=1, description="Ray Train workers (gloo).")
     cpus_per_train_worker: float = Field(default=1.0, gt=0)
@@ -135,6 +135,12 @@ class Stage3Config(_Section):
     actors: int = Field(default=1, ge=1, description="Annotation: annotator actors (each loads the model once).")
     cpus_per_actor: float = Field(default=1.0, gt=0)
     inference_batch_size: int = Field(default=256, ge=1)
+
+    @model_validator(mode="after")
+    def _splits(self) -> "Stage3Config":
+        if self.val_fraction + self.test_fraction >= 0.95:
+            raise ValueError("val_fraction + test_fraction must leave at least 5% of chunks for training")
+        return self
 
 
 class RunConfig(_Section):

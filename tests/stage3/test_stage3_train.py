@@ -91,6 +91,19 @@ def test_fast_annotator_trains_with_two_ray_train_workers(ray_cluster, tmp_path)
 
 
 @pytest.mark.slow
-def test_encoder_annotator_trains_on_minilm_embeddings(ray_cluster, tmp_path):
-    s3 = Stage3Config(epochs=40, batch_size=32, learning_rate=0.05, train_workers=1, cpus_per_train_worker=0.5)
-    _train_and_check("encoder", s3, 200, 0.6, tmp_path)
+def test_encoder_annotator_through_the_stage_function(ray_cluster, tmp_path):
+    """stage3_train's body: MiniLM features, Ray Train head, held-out eval saved beside the model."""
+    from atlas.config import RunConfig
+    from atlas.stage3 import stages
+
+    cfg = RunConfig(stage3=Stage3Config(annotator="encoder", epochs=40, batch_size=32, learning_rate=0.05, cpus_per_train_worker=0.5))
+    chunks, cc, concepts = planted(200)
+    root = storage.resolve(str(tmp_path / "run"))
+    stats = stages.train_and_evaluate(root, cfg, chunks, cc, concepts.column("concept_id").to_pylist(), chunks.column("chunk_id").to_pylist())
+    assert stats["micro_f1"] >= 0.6 and stats["micro_f1"] > stats["random_micro_f1"] + 0.3, stats
+    loc = storage.resolve(stats["annotator_uri"])
+    ann = Annotator.load(loc, expect_library_version=stats["library_version"])
+    assert ann.kind == "encoder" and len(ann.cfg.thresholds) == len(concepts)
+    for name in ("eval.json", "eval.md", "eval.png"):
+        assert storage.exists(loc.join(name)), name
+    assert "random control" in storage.read_bytes(loc.join("eval.md")).decode()
