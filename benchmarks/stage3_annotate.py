@@ -85,6 +85,7 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/out/stage3")
     p.add_argument("--target-tokens", type=int, default=40)
     p.add_argument("--boot", type=int, default=1000)
+    p.add_argument("--speed-chunks", type=int, default=None, help="time throughput on the first N test chunks (default: all)")
     args = p.parse_args()
     import numpy as np
     import ray
@@ -117,7 +118,7 @@ def main() -> int:
             print(f"{kind}: trained in {stats[kind]['wall_seconds']} s ({info['stats']})")
     finally:
         ray.shutdown()
-    test_texts = [t for t, s in zip(data.texts, info["split"]) if s == "test"]
+    test_texts = [t for t, s in zip(data.texts, info["split"]) if s == "test"][: args.speed_chunks]
     torch.set_num_threads(2)
     speed = {"fast": throughput(anns["fast"], test_texts, 3), "encoder": throughput(anns["encoder"], test_texts, 1)}
 
