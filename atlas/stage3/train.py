@@ -126,7 +126,7 @@ def annotator_config(kind: str, data: LabelledChunks, s3: Stage3Config) -> Annot
     return AnnotatorConfig(
         kind=kind, concept_ids=list(data.concept_ids), library_version=data.library_version,
         max_concepts_per_chunk=s3.max_concepts_per_chunk, hash_buckets=s3.hash_buckets, hash_dim=s3.hash_dim,
-        word_ngrams=s3.word_ngrams, max_features=s3.max_features, encoder_model=s3.encoder_model,
+        word_ngrams=s3.word_ngrams, max_features=s3.max_features, char_ngrams=s3.char_ngrams, encoder_model=s3.encoder_model,
     )
 
 

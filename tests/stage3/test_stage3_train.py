@@ -107,3 +107,34 @@ def test_encoder_annotator_through_the_stage_function(ray_cluster, tmp_path):
     for name in ("eval.json", "eval.md", "eval.png"):
         assert storage.exists(loc.join(name)), name
     assert "random control" in storage.read_bytes(loc.join("eval.md")).decode()
+
+
+def test_vectorised_hashing_matches_a_per_text_reference():
+    from atlas.stage3 import annotators as A
+
+    def ref(texts, buckets, ngrams, maxf, c):
+        out = np.full((len(texts), maxf), buckets, np.int64)
+        for i, t in enumerate(texts):
+            ents = [A._word_entry(w, c) for w in A._WORD.findall(t.lower())]
+            if not ents:
+                continue
+            h = np.array([e[0] for e in ents], np.uint64)
+            parts = [h]
+            for n in range(2, ngrams + 1):
+                if len(h) < n:
+                    break
+                g = h[: len(h) - n + 1].copy()
+                for k in range(1, n):
+                    g = (g * A._MIX + h[k : len(h) - n + 1 + k] + np.uint64(n)) & A._MASK32
+                parts.append(g)
+            if c:
+                parts += [e[1] for e in ents]
+            ids = np.concatenate(parts)[:maxf] % np.uint64(buckets)
+            out[i, : len(ids)] = ids
+        return out
+
+    texts = ["Red fox jumps", "", "a", "x y", " ".join(f"w{i}" for i in range(200)), "the cat sat on the mat. The dog!"]
+    for ng in (1, 2, 3):
+        for c in (0, 4):
+            for mf in (4, 384):
+                assert (A.hash_features(texts, 1000, ng, mf, c) == ref(texts, 1000, ng, mf, c)).all(), (ng, c, mf)
