@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--limit", type=int, default=20)
     q.add_argument("--csv", action="store_true", help="print all rows as CSV")
     q.set_defaults(func=_query)
+    from atlas import cli_query
+
+    cli_query.extend(q)  # --format csv|json|parquet, --out
 
     m = sub.add_parser("prepare-model", help="convert packaged GGUF models to cached Hugging Face directories")
     m.add_argument("models", nargs="*", default=["gemma3-270m"], help="embedded model names or HF paths")

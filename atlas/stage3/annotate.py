@@ -1,0 +1,290 @@
+"""Annotation at scale: chunks -> concept-labelled Parquet, partitioned by source, resumable.
+
+The job is a Ray Data pipeline. Every chunk is assigned to one of ``B`` buckets by a hash of
+its id (``B = ceil(rows / stage3.rows_per_part)``), and each (source, bucket) group is one
+unit of work: an annotator actor (model loaded once, in ``__init__``) annotates the group and
+writes it as ``source=<source>/part-b<bucket>-of-<B>.parquet`` in one atomic step (rename on
+a local disk, one PUT on S3). Part names are a pure function of the input, so a run killed
+at any point and restarted with the same command lists the parts already written, skips
+their groups before any annotation happens, and ends with every chunk exactly once.
+The output directory is a deterministic version of the ``annotations`` table (derived from
+the input and annotator versions); it is published (``_CURRENT``) only after the row count and
+the uniqueness of chunk ids have been verified.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import re
+import sys
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from atlas import schemas, storage
+from atlas.config import Stage3Config, StorageConfig
+
+TABLE = "annotations"
+MANIFEST = "_annotations.json"
+_PART = re.compile(r"^part-b(\d+)-of-(\d+)\.parquet$")
+
+def annotations_schema() -> pa.Schema:
+    return schemas.ANNOTATIONS
+
+
+class AnnotateError(RuntimeError):
+    pass
+
+
+def source_name(uri: str) -> str:
+    """Source label of a document URI: the name of the folder holding the file.
+
+    A corpus laid out as ``<input>/<source>/*.jsonl`` gets one partition per source folder.
+    """
+    parts = [p for p in uri.split("://", 1)[-1].split("/") if p]
+    return parts[-2] if len(parts) >= 2 else "default"
+
+
+def safe_partition(value: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", value) or "_"
+
+
+def n_buckets(n_rows: int, rows_per_part: int) -> int:
+    return max(1, math.ceil(n_rows / rows_per_part))
+
+
+def bucket_of(chunk_ids: list[str], buckets: int) -> np.ndarray:
+    return np.fromiter((zlib.crc32(c.encode("utf-8")) % buckets for c in chunk_ids), np.int32, len(chunk_ids))
+
+
+def part_name(bucket: int, buckets: int) -> str:
+    return f"part-b{bucket:05d}-of-{buckets:05d}.parquet"
+
+
+def written_parts(out: storage.Location, buckets: int, clean_temp: bool = True) -> dict[tuple[str, int], str]:
+    """(source partition, bucket) -> path of every complete part under ``out``.
+
+    Leftover temporaries of a killed run are removed; a part written with another bucket
+    count (another rows_per_part or input) is an error, since mixing them would duplicate rows.
+    """
+    if not storage.exists(out):
+        return {}
+    done: dict[tuple[str, int], str] = {}
+    for info in out.fs.get_file_info(pafs.FileSelector(out.path, recursive=True)):
+        if info.type != pafs.FileType.File:
+            continue
+        if ".tmp-" in info.base_name:
+            if clean_temp:
+                out.fs.delete_file(info.path)
+            continue
+        m = _PART.match(info.base_name)
+        if not m:
+            continue
+        parent = info.path.rsplit("/", 2)[-2]
+        if not parent.startswith("source="):
+            raise AnnotateError(f"part {info.path} is not under a source=<name> folder")
+        if int(m.group(2)) != buckets:
+            raise AnnotateError(
+                f"{info.path} was written with {int(m.group(2))} buckets, this run has {buckets}: "
+                "rerun with the same input and stage3.rows_per_part, or use a fresh output"
+            )
+        done[(parent[len("source="):], int(m.group(1)))] = info.path
+    return done
+
+
+def write_part_atomic(table: pa.Table, loc: storage.Location) -> None:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    if not loc.is_s3:
+        loc.fs.create_dir(loc.path.rsplit("/", 1)[0], recursive=True)
+    storage.write_bytes_atomic(loc, sink.getvalue().to_pybytes())
+
+
+class AnnotateGroup:
+    """Ray Data actor: loads the annotator once, annotates and writes one (source, bucket) group per call."""
+
+    def __init__(self, annotator_uri: str, out_uri: str, buckets: int, batch_size: int, storage_cfg: dict | None = None, threads: int = 1):
+        import torch
+
+        from atlas.stage3.annotators import Annotator
+
+        torch.set_num_threads(threads)
+        scfg = StorageConfig(**(storage_cfg or {}))
+        self.ann = Annotator.load(storage.resolve(annotator_uri, scfg))
+        self.out = storage.resolve(out_uri, scfg)
+        self.buckets = buckets
+        self.batch_size = batch_size
+        self.schema = annotations_schema()
+
+    def __call__(self, group: pa.Table) -> pa.Table:
+        group = group.sort_by("chunk_id")
+        source = group.column("source")[0].as_py()
+        bucket = int(group.column("bucket")[0].as_py())
+        texts = group.column("text").to_pylist()
+        ids: list[list[int]] = []
+        scores: list[list[float]] = []
+        for i in range(0, len(texts), self.batch_size):
+            a, b = self.ann.annotate(texts[i : i + self.batch_size])
+            ids += a
+            scores += b
+        n = group.num_rows
+        table = pa.table(
+            {
+                "chunk_id": group.column("chunk_id"), "doc_id": group.column("doc_id"), "source": group.column("source"),
+                "chunk_index": group.column("chunk_index"),
+                "text": group.column("text"),
+                "concept_ids": pa.array(ids, pa.list_(pa.int32())), "concept_scores": pa.array(scores, pa.list_(pa.float32())),
+                "library_version": pa.array([self.ann.cfg.library_version] * n, pa.string()),
+                "annotator": pa.array([self.ann.cfg.version] * n, pa.string()),
+            }
+        )
+        table = schemas.conform(table, self.schema)
+        loc = self.out.join(f"source={safe_partition(source)}", part_name(bucket, self.buckets))
+        write_part_atomic(table, loc)
+        return pa.table({"source": [source], "bucket": [bucket], "rows": [n], "part": [loc.uri]})
+
+
+def _add_bucket(batch: pa.Table, buckets: int) -> pa.Table:
+    return batch.append_column("bucket", pa.array(bucket_of(batch.column("chunk_id").to_pylist(), buckets)))
+
+
+def _drop_done(batch: pa.Table, done: frozenset) -> pa.Table:
+    if not done:
+        return batch
+    keep = [(safe_partition(s), int(b)) not in done for s, b in zip(batch.column("source").to_pylist(), batch.column("bucket").to_pylist())]
+    return batch.filter(pa.array(keep, pa.bool_()))
+
+
+def output_location(root: storage.Location, input_fingerprint: str, annotator_version: str, buckets: int) -> storage.Location:
+    """Deterministic version directory of ``annotations`` for this input + annotator."""
+    key = hashlib.sha256(f"{input_fingerprint}|{annotator_version}|{buckets}".encode()).hexdigest()[:12]
+    return root.join(TABLE, f"v-resume-{key}")
+
+
+def annotate(
+    ds: Any,
+    n_rows: int,
+    out: storage.Location,
+    annotator_uri: str,
+    s3: Stage3Config,
+    storage_cfg: StorageConfig | None = None,
+) -> dict[str, Any]:
+    """Annotate ``ds`` (chunk_id, doc_id, chunk_index, source, text) into parts under ``out``; resumable.
+
+    Returns statistics, including ``annotated_rows`` (rows annotated by *this* call) and
+    ``skipped_rows`` (rows found already written).
+    """
+    t0 = time.perf_counter()
+    buckets = n_buckets(n_rows, s3.rows_per_part)
+    done = written_parts(out, buckets)
+    skipped = 0
+    if done:
+        skipped = sum(pq.ParquetFile(p, filesystem=out.fs).metadata.num_rows for p in done.values())
+    todo = ds.select_columns(["chunk_id", "doc_id", "chunk_index", "source", "text"]).map_batches(
+        _add_bucket, fn_kwargs={"buckets": buckets}, batch_format="pyarrow"
+    ).map_batches(_drop_done, fn_kwargs={"done": frozenset(done)}, batch_format="pyarrow")
+    written = todo.groupby(["source", "bucket"]).map_groups(
+        AnnotateGroup,
+        fn_constructor_kwargs={
+            "annotator_uri": annotator_uri, "out_uri": out.uri, "buckets": buckets, "batch_size": s3.inference_batch_size,
+            "storage_cfg": storage_cfg.model_dump() if storage_cfg else None, "threads": max(1, int(s3.cpus_per_actor)),
+        },
+        batch_format="pyarrow",
+        concurrency=s3.actors,
+        num_cpus=s3.cpus_per_actor,
+    )
+    parts = written.take_all() if n_rows - skipped > 0 else []
+    annotated = sum(int(p["rows"]) for p in parts)
+    return {
+        "buckets": buckets, "parts_skipped": len(done), "parts_written": len(parts),
+        "skipped_rows": int(skipped), "annotated_rows": annotated, "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def verify_and_publish(root: storage.Location, out: storage.Location, n_rows: int, meta: dict[str, Any]) -> dict[str, Any]:
+    """Check every chunk is present exactly once, write the manifest, publish the table."""
+    ids = pq.read_table(out.path, filesystem=out.fs, columns=["chunk_id", "source"], partitioning=None)
+    total = ids.num_rows
+    distinct = len(pa.compute.unique(ids.column("chunk_id")))
+    if total != n_rows or distinct != total:
+        raise AnnotateError(f"annotations at {out.uri}: {total} rows, {distinct} distinct chunk ids, expected {n_rows} unique")
+    per_source = {r["values"]: r["counts"] for r in pa.compute.value_counts(ids.column("source")).to_pylist()}
+    manifest = {**meta, "rows": total, "rows_per_source": per_source, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    storage.write_json_atomic(out.join(MANIFEST), manifest)
+    pointer = storage.publish(root, TABLE, out, total)
+    return {"rows": total, "sources": len(per_source), "version": pointer["version"]}
+
+
+# ---------------------------------------------------------------- job over a run's tables
+
+
+def chunks_with_source(root: storage.Location) -> tuple[Any, int, str]:
+    """Ray Dataset of the run's chunks joined with their documents' source; row count; input fingerprint."""
+    import ray.data
+
+    chunks = storage.read_dataset(root, "chunks").select_columns(["chunk_id", "doc_id", "chunk_index", "text"])
+    docs = storage.read_table(root, "documents", columns=["doc_id", "source"])
+    src = {d: source_name(s) for d, s in zip(docs.column("doc_id").to_pylist(), docs.column("source").to_pylist())}
+    # documents is small next to chunks (one row per document, no text read): a broadcast map.
+    ref = ray.put(src)
+
+    def attach(batch: pa.Table) -> pa.Table:
+        m = ray.get(ref)
+        sources = [m.get(d) for d in batch.column("doc_id").to_pylist()]
+        if None in sources:
+            bad = batch.column("chunk_id")[sources.index(None)].as_py()
+            raise AnnotateError(f"chunk {bad!r} has a doc_id missing from documents")
+        return batch.append_column("source", pa.array(sources, pa.string()))
+
+    ds = chunks.map_batches(attach, batch_format="pyarrow")
+    n_rows = storage.read_json(root.join("chunks", storage.POINTER))["rows"]
+    fingerprint = f"chunks:{storage.current_version(root, 'chunks')}|documents:{storage.current_version(root, 'documents')}"
+    return ds, int(n_rows), fingerprint
+
+
+def annotate_run(root: storage.Location, annotator_uri: str, s3: Stage3Config, storage_cfg: StorageConfig | None = None) -> dict[str, Any]:
+    """Annotate the run's published ``chunks`` and publish ``annotations`` (same call resumes)."""
+    from atlas.stage3.annotators import Annotator
+
+    ann_cfg = Annotator.load(storage.resolve(annotator_uri, storage_cfg)).cfg
+    ds, n_rows, fingerprint = chunks_with_source(root)
+    buckets = n_buckets(n_rows, s3.rows_per_part)
+    out = output_location(root, fingerprint, ann_cfg.version, buckets)
+    stats = annotate(ds, n_rows, out, annotator_uri, s3, storage_cfg)
+    meta = {"library_version": ann_cfg.library_version, "annotator": ann_cfg.version, "annotator_uri": annotator_uri, "input": fingerprint, "buckets": buckets}
+    stats.update(verify_and_publish(root, out, n_rows, meta))
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m atlas.stage3.annotate ROOT ANNOTATOR``: the resumable job as one command."""
+    from atlas.cluster import ray_session
+    from atlas.config import RayConfig
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("root", help="run output root URI holding published chunks + documents")
+    p.add_argument("annotator", help="annotator directory URI (annotator.json + head.safetensors)")
+    p.add_argument("--rows-per-part", type=int, default=Stage3Config().rows_per_part)
+    p.add_argument("--actors", type=int, default=1)
+    p.add_argument("--num-cpus", type=int, default=2)
+    p.add_argument("--object-store-mb", type=int, default=256)
+    p.add_argument("--s3-endpoint")
+    args = p.parse_args(argv)
+    scfg = StorageConfig(s3_endpoint=args.s3_endpoint)
+    s3 = Stage3Config(rows_per_part=args.rows_per_part, actors=args.actors)
+    with ray_session(RayConfig(num_cpus=args.num_cpus, object_store_memory_mb=args.object_store_mb)):
+        stats = annotate_run(storage.resolve(args.root, scfg), args.annotator, s3, scfg)
+    print(json.dumps(stats, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Annotator training: the head is fitted under Ray Train, thresholds on a validation split.
+
+Features are computed once on the driver (hashed ids, or frozen-encoder embeddings), put in
+a Ray Dataset and streamed to the Ray Train workers (``TorchTrainer``, gloo, DDP when more
+than one worker). Rank 0 returns the head as a safetensors checkpoint. The caller must have
+Ray running (stages never start Ray; the runner does).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from atlas.config import Stage3Config
+from atlas.stage3.annotators import Annotator, AnnotatorConfig, build_head, featurize
+from atlas.stage3.labels import LabelledChunks, split_of
+
+CKPT_FILE = "head.safetensors"
+
+
+class TrainError(RuntimeError):
+    pass
+
+
+def calibrate_thresholds(scores: np.ndarray, y: np.ndarray, min_positives: int = 1, default: float = 0.5) -> np.ndarray:
+    """Per concept, the score cut that maximises F1 on (scores, y); ``default`` when the split
+    has fewer than ``min_positives`` positives of the concept (too few to calibrate on)."""
+    n, c = scores.shape
+    th = np.full(c, default, np.float32)
+    for j in range(c):
+        p = int(y[:, j].sum())
+        if p < min_positives or n == 0:
+            continue
+        order = np.argsort(-scores[:, j], kind="stable")
+        s = scores[order, j]
+        tp = np.cumsum(y[order, j])
+        k = np.arange(1, n + 1)
+        f1 = 2 * tp / (k + p)
+        # Only cut between distinct scores, so the threshold separates exactly the top k.
+        valid = np.r_[s[:-1] > s[1:], True]
+        f1 = np.where(valid, f1, -1)
+        best = int(np.argmax(f1))
+        below = s[best + 1] if best + 1 < n else max(s[best] - 1e-3, 0.0)
+        th[j] = float((s[best] + below) / 2)
+    return th
+
+
+def _train_loop(config: dict[str, Any]) -> None:
+    import ray.train
+    import ray.train.torch
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(config["threads"])
+    torch.manual_seed(config["seed"])
+    cfg = AnnotatorConfig(**config["annotator"])
+    model = ray.train.torch.prepare_model(build_head(cfg))  # DDP over gloo when world size > 1
+    opt = torch.optim.Adam(model.parameters(), lr=config["lr"])
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    shard = ray.train.get_dataset_shard("train")
+    x_dtype = torch.int64 if cfg.kind == "fast" else torch.float32
+    for epoch in range(config["epochs"]):
+        total, seen = 0.0, 0
+        for batch in shard.iter_torch_batches(
+            batch_size=config["batch_size"], dtypes={"x": x_dtype, "y": torch.float32},
+            local_shuffle_buffer_size=4 * config["batch_size"], local_shuffle_seed=config["seed"] + epoch,
+        ):
+            opt.zero_grad()
+            loss = loss_fn(model(batch["x"]), batch["y"])
+            loss.backward()
+            opt.step()
+            total += float(loss) * len(batch["y"])
+            seen += len(batch["y"])
+        metrics = {"epoch": epoch, "loss": total / max(seen, 1)}
+        last = epoch == config["epochs"] - 1
+        if last and ray.train.get_context().get_world_rank() == 0:
+            with tempfile.TemporaryDirectory() as tmp:
+                head = model.module if hasattr(model, "module") else model
+                save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, os.path.join(tmp, CKPT_FILE))
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        else:
+            ray.train.report(metrics)
+
+
+def fit_head(cfg: AnnotatorConfig, x: np.ndarray, y: np.ndarray, s3: Stage3Config, storage_path: str | None = None) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Train the head of ``cfg`` on features ``x`` and multi-hot ``y`` with Ray Train."""
+    import ray.data
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from safetensors.torch import load_file
+
+    if len(x) == 0:
+        raise TrainError("no training chunks (every labelled chunk fell in the validation/test splits?)")
+    ds = ray.data.from_items([{"x": xi, "y": yi.astype(np.float32)} for xi, yi in zip(x, y)])
+    storage_path = storage_path or tempfile.mkdtemp(prefix="atlas-stage3-train-")
+    trainer = TorchTrainer(
+        _train_loop,
+        train_loop_config={
+            "annotator": {**cfg.__dict__},
+            "epochs": s3.epochs, "lr": s3.learning_rate, "batch_size": s3.batch_size, "seed": s3.seed,
+            "threads": max(1, int(s3.cpus_per_train_worker)),
+        },
+        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=s3.train_workers, resources_per_worker={"CPU": s3.cpus_per_train_worker}),
+        run_config=ray.train.RunConfig(name=f"stage3-{cfg.kind}-{int(time.time())}", storage_path=storage_path),
+        datasets={"train": ds},
+    )
+    t0 = time.perf_counter()
+    result = trainer.fit()
+    if result.error is not None:
+        raise TrainError(f"annotator training failed: {result.error}")
+    if result.checkpoint is None:
+        raise TrainError("annotator training returned no checkpoint")
+    with result.checkpoint.as_directory() as d:
+        state = load_file(os.path.join(d, CKPT_FILE))
+    head = build_head(cfg)
+    head.load_state_dict(state)
+    return head, {"train_seconds": round(time.perf_counter() - t0, 2), "final_loss": (result.metrics or {}).get("loss"), "workers": s3.train_workers}
+
+
+def annotator_config(kind: str, data: LabelledChunks, s3: Stage3Config) -> AnnotatorConfig:
+    return AnnotatorConfig(
+        kind=kind, concept_ids=list(data.concept_ids), library_version=data.library_version,
+        max_concepts_per_chunk=s3.max_concepts_per_chunk, hash_buckets=s3.hash_buckets, hash_dim=s3.hash_dim,
+        word_ngrams=s3.word_ngrams, max_features=s3.max_features, char_ngrams=s3.char_ngrams, encoder_model=s3.encoder_model,
+    )
+
+
+def train_annotator(kind: str, data: LabelledChunks, s3: Stage3Config, features: dict[str, np.ndarray] | None = None) -> tuple[Annotator, dict[str, Any]]:
+    """Train one annotator on the 'train' split, calibrate thresholds on 'val'.
+
+    Returns the annotator and a dict with the split labels (per chunk) and statistics; the
+    'test' split is left untouched for :mod:`atlas.stage3.evaluate`. ``features`` may pass
+    precomputed features per chunk id order (e.g. embeddings shared by two runs).
+    """
+    cfg = annotator_config(kind, data, s3)
+    split = split_of(data.chunk_ids, s3.val_fraction, s3.test_fraction, s3.seed)
+    t0 = time.perf_counter()
+    x = features[kind] if features and kind in features else featurize(cfg, data.texts)
+    feat_s = time.perf_counter() - t0
+    if cfg.kind == "encoder":
+        cfg.embed_dim = int(x.shape[1])
+    train, val = split == "train", split == "val"
+    head, stats = fit_head(cfg, x[train], data.y[train], s3)
+    ann = Annotator(cfg, head)
+    th = calibrate_thresholds(ann.scores_from_features(x[val]), data.y[val], min_positives=1)
+    # Concepts the teacher used too rarely get a threshold above 1: never predicted.
+    support = data.y[train].sum(0) + data.y[val].sum(0)
+    th[support < s3.min_concept_chunks] = 1.01
+    cfg.thresholds = [float(t) for t in th]
+    stats.update(
+        kind=kind, featurize_seconds=round(feat_s, 2), n_train=int(train.sum()), n_val=int(val.sum()), n_test=int((split == "test").sum()),
+        n_concepts=cfg.n_concepts, concepts_never_predicted=int((support < s3.min_concept_chunks).sum()),
+    )
+    cfg.train_stats = stats
+    return ann, {"split": split, "features": x, "stats": stats}

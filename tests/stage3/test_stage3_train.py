@@ -1,0 +1,140 @@
+"""Stage 3 annotators: features, threshold calibration, metrics, and real training under Ray Train."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from atlas import storage
+from atlas.config import Stage3Config
+from atlas.stage3 import evaluate, labels, train
+from atlas.stage3.annotators import Annotator, AnnotatorError, hash_features
+from tests.stage3.fixtures import planted
+
+
+def test_hash_features_are_deterministic_and_padded():
+    a = hash_features(["Red fox jumps", ""], buckets=1000, ngrams=2, max_features=8)
+    b = hash_features(["red FOX jumps", ""], buckets=1000, ngrams=2, max_features=8)
+    assert (a == b).all()  # lower-cased, crc32: same ids in any process
+    assert (a[0, :5] < 1000).all() and (a[0, 5:] == 1000).all()  # 3 words + 2 bigrams, then padding
+    assert (a[1] == 1000).all()
+    long = hash_features([" ".join(f"w{i}" for i in range(100))], 1000, 2, 16)
+    assert (long < 1000).all()  # truncated at max_features
+
+
+def test_calibrate_thresholds_picks_the_f1_optimal_cut():
+    scores = np.array([[0.9], [0.8], [0.6], [0.3], [0.2]], np.float32)
+    y = np.array([[1], [1], [0], [1], [0]])
+    th = train.calibrate_thresholds(scores, y)
+    # cut after 0.3 keeps 4 (tp 3) -> F1 = 6/7; after 0.8 keeps 2 (tp 2) -> 0.8
+    assert 0.2 < th[0] < 0.3
+    none = train.calibrate_thresholds(scores, np.zeros_like(y), default=0.5)
+    assert none[0] == 0.5
+
+
+def test_metrics_and_kappa_on_known_cases():
+    true = np.array([[1, 0], [0, 1], [1, 1], [0, 0]], bool)
+    perfect = evaluate.metrics(true, true)
+    assert perfect["micro_f1"] == 1 and perfect["kappa"] == 1 and perfect["macro_f1"] == 1
+    pred = np.array([[1, 0], [0, 0], [1, 1], [1, 0]], bool)
+    m = evaluate.metrics(pred, true)
+    # pooled: tp 3, fp 1, fn 1, tn 3 -> F1 0.75; po 0.75, pe 0.5 -> kappa 0.5
+    assert m["micro_f1"] == pytest.approx(0.75) and m["kappa"] == pytest.approx(0.5)
+    assert m["per_concept"][1]["precision"] == 1 and m["per_concept"][1]["recall"] == 0.5
+    rng = np.random.default_rng(0)
+    big = rng.random((4000, 5)) < 0.2
+    ctrl = evaluate.random_control(big, seed=1)
+    assert abs(evaluate.metrics(ctrl, big)["kappa"]) < 0.05  # chance agreement reads ~0
+    ci = evaluate.bootstrap_ci(pred, true, n_boot=200)
+    assert ci["micro_f1"][0] <= 0.75 <= ci["micro_f1"][1]
+
+
+def test_labelled_chunks_rejects_unknown_concepts_and_splits_stably():
+    chunks, cc, concepts = planted(40)
+    ids = concepts.column("concept_id").to_pylist()
+    data = labels.labelled_chunks(chunks, cc, ids, chunks.column("chunk_id").to_pylist())
+    assert data.y.shape == (40, len(ids)) and data.y.sum() == cc.num_rows
+    assert data.library_version == labels.library_version(sorted(ids))
+    with pytest.raises(labels.LabelError, match="missing from the library"):
+        labels.labelled_chunks(chunks, cc, ids[:2])
+    s1 = labels.split_of(data.chunk_ids, 0.2, 0.2)
+    s2 = labels.split_of(data.chunk_ids[:20], 0.2, 0.2)
+    assert (s1[:20] == s2).all()  # a chunk's split does not depend on the others
+
+
+def _train_and_check(kind: str, s3: Stage3Config, n: int, min_f1: float, tmp_path) -> None:
+    chunks, cc, concepts = planted(n)
+    data = labels.labelled_chunks(chunks, cc, concepts.column("concept_id").to_pylist(), chunks.column("chunk_id").to_pylist())
+    ann, info = train.train_annotator(kind, data, s3)
+    assert info["stats"]["concepts_never_predicted"] == 1 and ann.cfg.thresholds[data.concept_ids.index("c-rare")] > 1
+    test = info["split"] == "test"
+    pred = ann.decide(ann.scores_from_features(info["features"][test]))
+    res = evaluate.evaluate(pred, data.y[test].astype(bool), n_boot=100)
+    assert res["annotator"]["micro_f1"] >= min_f1, res["annotator"]
+    assert res["annotator"]["micro_f1"] > res["random_control"]["micro_f1"] + 0.3
+    # safetensors + JSON round trip, versioned with the library
+    loc = ann.save(storage.resolve(str(tmp_path / kind)))
+    back = Annotator.load(loc, expect_library_version=data.library_version)
+    texts = data.texts[:16]
+    assert np.allclose(back.scores(texts), ann.scores(texts), atol=1e-6)
+    assert back.annotate(texts) == ann.annotate(texts)
+    with pytest.raises(AnnotatorError, match="concept library"):
+        Annotator.load(loc, expect_library_version="lib-other")
+    png = evaluate.plot({kind: res}, str(tmp_path / f"{kind}.png"))
+    assert (tmp_path / f"{kind}.png").stat().st_size > 1000, png
+
+
+@pytest.mark.slow
+def test_fast_annotator_trains_with_two_ray_train_workers(ray_cluster, tmp_path):
+    s3 = Stage3Config(hash_buckets=4096, hash_dim=16, epochs=25, batch_size=32, learning_rate=0.05, train_workers=2, cpus_per_train_worker=0.5)
+    _train_and_check("fast", s3, 300, 0.85, tmp_path)
+
+
+@pytest.mark.slow
+def test_encoder_annotator_through_the_stage_function(ray_cluster, tmp_path):
+    """stage3_train's body: MiniLM features, Ray Train head, held-out eval saved beside the model."""
+    from atlas.config import RunConfig
+    from atlas.stage3 import stages
+
+    cfg = RunConfig(stage3=Stage3Config(annotator="encoder", epochs=40, batch_size=32, learning_rate=0.05, cpus_per_train_worker=0.5))
+    chunks, cc, concepts = planted(200)
+    root = storage.resolve(str(tmp_path / "run"))
+    stats = stages.train_and_evaluate(root, cfg, chunks, cc, concepts.column("concept_id").to_pylist(), chunks.column("chunk_id").to_pylist())
+    assert stats["micro_f1"] >= 0.6 and stats["micro_f1"] > stats["random_micro_f1"] + 0.3, stats
+    loc = storage.resolve(stats["annotator_uri"])
+    ann = Annotator.load(loc, expect_library_version=stats["library_version"])
+    assert ann.kind == "encoder" and len(ann.cfg.thresholds) == len(concepts)
+    for name in ("eval.json", "eval.md", "eval.png"):
+        assert storage.exists(loc.join(name)), name
+    assert "random control" in storage.read_bytes(loc.join("eval.md")).decode()
+
+
+def test_vectorised_hashing_matches_a_per_text_reference():
+    from atlas.stage3 import annotators as A
+
+    def ref(texts, buckets, ngrams, maxf, c):
+        out = np.full((len(texts), maxf), buckets, np.int64)
+        for i, t in enumerate(texts):
+            ents = [A._word_entry(w, c) for w in A._WORD.findall(t.lower())]
+            if not ents:
+                continue
+            h = np.array([e[0] for e in ents], np.uint64)
+            parts = [h]
+            for n in range(2, ngrams + 1):
+                if len(h) < n:
+                    break
+                g = h[: len(h) - n + 1].copy()
+                for k in range(1, n):
+                    g = (g * A._MIX + h[k : len(h) - n + 1 + k] + np.uint64(n)) & A._MASK32
+                parts.append(g)
+            if c:
+                parts += [e[1] for e in ents]
+            ids = np.concatenate(parts)[:maxf] % np.uint64(buckets)
+            out[i, : len(ids)] = ids
+        return out
+
+    texts = ["Red fox jumps", "", "a", "x y", " ".join(f"w{i}" for i in range(200)), "the cat sat on the mat. The dog!"]
+    for ng in (1, 2, 3):
+        for c in (0, 4):
+            for mf in (4, 384):
+                assert (A.hash_features(texts, 1000, ng, mf, c) == ref(texts, 1000, ng, mf, c)).all(), (ng, c, mf)
