@@ -43,7 +43,11 @@ def scan(output_uri: str, table: str, cfg: StorageConfig | None = None) -> pl.La
     if table not in schemas.TABLES:  # also keeps names like "../other-run/documents" out
         raise QueryError(f"unknown table {table!r}; the run's tables: {sorted(schemas.TABLES)}")
     root = storage.resolve(output_uri, cfg)
-    return pl.scan_parquet(f"{_version_uri(root, table)}/*.parquet", storage_options=_storage_options(root, cfg))
+    # `**` also reaches partitioned tables (annotations: source=<s>/part-*.parquet); every
+    # partition column is stored inside the files, so hive parsing stays off.
+    return pl.scan_parquet(
+        f"{_version_uri(root, table)}/**/*.parquet", hive_partitioning=False, storage_options=_storage_options(root, cfg)
+    )
 
 
 def tables(output_uri: str, cfg: StorageConfig | None = None) -> list[str]:
