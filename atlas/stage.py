@@ -191,6 +191,7 @@ def _write_part(batch: pa.Table, version_path: str, fs_uri: str, storage_cfg: di
 
     cached = int(pc.sum(batch.column("cached")).as_py() or 0) if "cached" in batch.column_names else 0
     generated = int(pc.sum(batch.column("_generated")).as_py() or 0) if "_generated" in batch.column_names else 0
+    tokens = int(pc.sum(batch.column("output_tokens")).as_py() or 0) if "output_tokens" in batch.column_names else 0
     if schema is not None:
         from atlas.schemas import conform
 
@@ -215,6 +216,7 @@ def _write_part(batch: pa.Table, version_path: str, fs_uri: str, storage_cfg: di
             "errors": [errors],
             "cached": [cached],
             "generated": [generated],
+            "output_tokens": [tokens],
             "samples": [json.dumps(samples)],
         }
     )
@@ -320,7 +322,7 @@ class StageContext:
             batch_format="pyarrow",
             num_cpus=0.25,
         )
-        rows = errors = cached = generated = 0
+        rows = errors = cached = generated = tokens = 0
         samples: list = []
         where = f" (unpublished output left at {version.uri})"
         with self.progress(desc or f"{self.stage or table} → {table}", total) as bar:
@@ -329,6 +331,7 @@ class StageContext:
                 errors += pc.sum(c.column("errors")).as_py() or 0
                 cached += pc.sum(c.column("cached")).as_py() or 0
                 generated += pc.sum(c.column("generated")).as_py() or 0
+                tokens += pc.sum(c.column("output_tokens")).as_py() or 0
                 if len(samples) < ERROR_SAMPLES:
                     for s in c.column("samples").to_pylist():
                         samples.extend(json.loads(s))
@@ -343,7 +346,7 @@ class StageContext:
             pq.write_table(schema.empty_table(), version.join("part-empty.parquet").path, filesystem=version.fs)
         check_error_rate(self.stage or table, errors, rows, bound, samples, where)
         ptr = storage.publish(self.root, table, version, rows)
-        return ptr, {"errors": errors, "cached": cached, "generated": generated, "error_samples": samples}
+        return ptr, {"errors": errors, "cached": cached, "generated": generated, "output_tokens": tokens, "error_samples": samples}
 
 
 # ---------------------------------------------------------------- LLM stages
@@ -433,6 +436,7 @@ class LLMStage(BaseStage):
             "error_samples": pub["error_samples"],
             "cached": pub["cached"],
             "generated": pub["generated"],
+            "output_tokens": pub["output_tokens"],
             "engine_started": pub["generated"] > 0,
             "model": job.engine.model,
         }
