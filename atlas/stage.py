@@ -320,7 +320,7 @@ class StageContext:
             },
             batch_size=part_rows,
             batch_format="pyarrow",
-            num_cpus=0.25,
+            num_cpus=0.5,  # short I/O tasks; a smaller share would spawn many worker processes on small hosts
         )
         rows = errors = cached = generated = tokens = 0
         samples: list = []

@@ -202,12 +202,19 @@ class JudgeStage(LLMStage):
         tags = tags.map_batches(lambda b: b.filter(pc.is_null(b.column("error"))).drop_columns(["error"]), batch_format="pyarrow")
         chunks = ctx.read("chunks").select_columns(["chunk_id", "text"])
         k = self.cfg.judge.sample_chunks
-        if k is not None:
-            # A deterministic sample spread over documents: the chunks with the smallest hash.
-            ids = smallest(tags, k, key=_sample_key)
-            tags, chunks = _keep(tags, "chunk_id", ids), _keep(chunks, "chunk_id", ids)
-        n = ctx.rows("chunk_tags") if k is None else k
-        return tags.join(chunks, join_type="inner", num_partitions=join_partitions(n), on=("chunk_id",))
+        if k is None or k > SMALL_SAMPLE:
+            n = ctx.rows("chunk_tags") if k is None else k
+            if k is not None:
+                ids = smallest(tags, k, key=_sample_key)
+                tags, chunks = _keep(tags, "chunk_id", ids), _keep(chunks, "chunk_id", ids)
+            return tags.join(chunks, join_type="inner", num_partitions=join_partitions(n), on=("chunk_id",))
+        # A deterministic sample spread over documents: the chunks with the smallest hash. A
+        # sample this small is cheaper to attach by value than by a shuffle join: its texts
+        # (k rows) ride along with the tasks.
+        ids = smallest(tags, k, key=_sample_key)
+        parts = [b for b in _keep(chunks, "chunk_id", ids).iter_batches(batch_size=None, batch_format="pyarrow")]
+        texts = pa.concat_tables(parts) if parts else pa.table({"chunk_id": pa.array([], pa.string()), "text": pa.array([], pa.string())})
+        return _keep(tags, "chunk_id", ids).map_batches(_attach, fn_kwargs={"texts": texts}, batch_format="pyarrow")
 
     def requests(self, batch: pa.Table) -> pa.Table:
         template = self.engine.chat_template
@@ -263,13 +270,20 @@ class JudgeStage(LLMStage):
         from atlas import storage
         from atlas.engine.runner import join_partitions
 
-        j = ctx.read("tag_judgements").select_columns(["chunk_id", "tag", "score"])
-        n = join_partitions(published["rows"])
-        # Hash-partition by the group key, then one pyarrow group-by per block.
-        by_chunk = j.repartition(n, keys=["chunk_id"]).map_batches(
-            lambda b: aggregate_judgements(b)[0], batch_size=None, batch_format="pyarrow"
-        )
-        by_tag = j.repartition(n, keys=["tag"]).map_batches(lambda b: aggregate_judgements(b)[1], batch_size=None, batch_format="pyarrow")
+        n_rows = published["rows"]
+        if n_rows <= SMALL_AGGREGATE:
+            # Small enough for one process: read three columns, one pyarrow group-by each.
+            by_chunk, by_tag = aggregate_judgements(ctx.read_table("tag_judgements", ["chunk_id", "tag", "score"]))
+        else:
+            j = ctx.read("tag_judgements").select_columns(["chunk_id", "tag", "score"])
+            n = join_partitions(n_rows)
+            # Hash-partition by the group key, then one pyarrow group-by per block.
+            by_chunk = j.repartition(n, keys=["chunk_id"]).map_batches(
+                lambda b: aggregate_judgements(b)[0], batch_size=None, batch_format="pyarrow"
+            )
+            by_tag = j.repartition(n, keys=["tag"]).map_batches(
+                lambda b: aggregate_judgements(b)[1], batch_size=None, batch_format="pyarrow"
+            )
         pc_ = ctx.publish("tag_judge_by_chunk", by_chunk, schemas.TAG_JUDGE_BY_CHUNK, desc="stage1_judge → tag_judge_by_chunk")
         pt_ = ctx.publish("tag_judge_by_tag", by_tag, schemas.TAG_JUDGE_BY_TAG, desc="stage1_judge → tag_judge_by_tag")
         hc, mc = histogram(storage.table_path(ctx.root, "tag_judge_by_chunk"), "mean_score")
