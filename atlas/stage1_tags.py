@@ -95,6 +95,15 @@ def smallest(ds, k: int, column: str = "chunk_id", key: Callable[[str], str] | N
     return sorted(v for _, v in heapq.nsmallest(k, cand))
 
 
+SMALL_SAMPLE = 50_000  # judge samples up to this many chunks attach texts by value, not by a join
+SMALL_AGGREGATE = 200_000  # judgements up to this many rows are aggregated in one pyarrow group-by
+
+
+def _attach(batch: pa.Table, texts: pa.Table) -> pa.Table:
+    """Inner join of a batch with a small table carried by value (pyarrow, per batch)."""
+    return batch.join(texts, "chunk_id", join_type="inner")
+
+
 def _sample_key(chunk_id: str) -> str:
     return hashlib.sha256(chunk_id.encode()).hexdigest()
 

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local cluster; no token set-up
 sys.path.insert(0, str(REPO))
 
 WORDS = (
