@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,15 +76,22 @@ def test_sigkill_mid_tagging_then_rerun_generates_only_what_was_not_cached(tmp_p
     n = len(ref_ids)
     assert n >= 40 and len(set(ref_ids)) == n
 
+    # The killed run starts from the reference's ingest + chunk outputs and records: the same
+    # config and inputs, so it skips straight to stage1_tags (and saves minutes on 2 cores).
     out = tmp_path / "out"
+    for t in ("documents", "quarantine", "chunks"):
+        shutil.copytree(ref / t, out / t)
+    (out / "_stages").mkdir()
+    for s in ("ingest", "chunk"):
+        shutil.copy(ref / "_stages" / f"{s}.json", out / "_stages" / f"{s}.json")
     cmd = _cmd(corpus, out, minilm_tokenizer_path, 0.15)
     cache_dir = out / "_cache" / "generations"
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
-        deadline = time.time() + 300
+        deadline = time.time() + 900
         while len(list(cache_dir.glob("*.parquet"))) < 3:
             assert proc.poll() is None, f"run ended before it could be killed:\n{proc.stderr.read()[-3000:]}"
-            assert time.time() < deadline, "no cache part appeared within 300 s"
+            assert time.time() < deadline, "no cache part appeared within 900 s"
             time.sleep(0.1)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver, its Ray head and workers: one group
@@ -92,6 +100,7 @@ def test_sigkill_mid_tagging_then_rerun_generates_only_what_was_not_cached(tmp_p
     _group_gone(proc.pid)
     root = storage.resolve(str(out))
     manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["stages"]["chunk"]["status"] == "skipped"
     assert manifest["stages"]["stage1_tags"]["status"] == "running"  # killed mid-stage
     assert not storage.table_exists(root, "chunk_tags")
     cached_at_kill = GenerationCache(root).rows()
