@@ -100,8 +100,12 @@ SMALL_AGGREGATE = 200_000  # judgements up to this many rows are aggregated in o
 
 
 def _attach(batch: pa.Table, texts: pa.Table) -> pa.Table:
-    """Inner join of a batch with a small table carried by value (pyarrow, per batch)."""
-    return batch.join(texts, "chunk_id", join_type="inner")
+    """Inner join of a batch with a small table carried by value (an index lookup: pyarrow's
+    join does not carry list columns such as ``tags``)."""
+    idx = pc.index_in(batch.column("chunk_id"), value_set=texts.column("chunk_id"))
+    keep = pc.is_valid(idx)
+    batch, idx = batch.filter(keep), idx.filter(keep)
+    return batch.append_column("text", texts.column("text").take(idx))
 
 
 def _sample_key(chunk_id: str) -> str:

@@ -36,7 +36,7 @@ def _cmd(corpus, out, tokenizer, delay: float) -> list[str]:
 
 def _env() -> dict:
     # The worktree's code must win in the subprocess and its Ray workers alike.
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": "", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": "", "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 def _run(args, timeout=600) -> subprocess.CompletedProcess:
