@@ -39,7 +39,7 @@ def _env() -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": "", "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
-def _run(args, timeout=600) -> subprocess.CompletedProcess:
+def _run(args, timeout=1500) -> subprocess.CompletedProcess:
     proc = subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"atlas run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
