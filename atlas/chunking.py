@@ -161,3 +161,25 @@ def chunk(root: storage.Location, tokenizer_path: str, cfg: ChunkingConfig) -> d
     if len(n):
         stats.update(mean_tokens=round(float(n.mean()), 1), max_tokens=int(n.max()), min_tokens=int(n.min()))
     return stats
+
+
+# ---------------------------------------------------------------- stage
+
+
+from atlas.stage import BaseStage, register  # noqa: E402 - the stage wrapper needs the functions above
+
+
+@register
+class ChunkStage(BaseStage):
+    """``documents`` -> ``chunks`` (tokenizer: ``chunking.tokenizer`` or the tagging model's)."""
+
+    name = "chunk"
+    inputs = ("documents",)
+    outputs = ("chunks",)
+    config_keys = ("chunking", "engine.model")
+
+    def run(self, ctx) -> dict:
+        from atlas.engine import resolve_model
+
+        tokenizer = ctx.cfg.chunking.tokenizer or resolve_model(ctx.cfg.engine.model)
+        return {**chunk(ctx.root, tokenizer, ctx.cfg.chunking), "tokenizer": tokenizer}

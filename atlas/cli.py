@@ -14,14 +14,27 @@ DEMO_OUTPUT = "atlas-demo-output"
 
 
 def _run(args: argparse.Namespace) -> int:
-    from atlas import logs, runner
+    from atlas import logs, manifest as mf, runner, storage
+    from atlas.console import RunConsole
+    from atlas.stage import StageError
 
     cfg = load_config(args.config, overrides=args.set, input=args.input, output=args.output, run_id=args.run_id)
     if args.address:
         cfg = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"address": args.address})})
-    logs.setup(args.log_file)
-    manifest = runner.run(cfg, tuple(args.stages) if args.stages else runner.STAGES)
-    _print_status(manifest)
+    logs.setup(args.log_file, console_level="WARNING")
+    con = RunConsole(log_file=args.log_file).install()
+    try:
+        manifest = runner.run(cfg, tuple(args.stages) if args.stages else None, force=args.force, console=con)
+    except StageError as e:
+        try:
+            con.summary(mf.load(storage.resolve(cfg.output, cfg.storage)))
+        except Exception:  # noqa: BLE001 - the summary is a courtesy; the error below is the message
+            pass
+        print(f"atlas: {e}", file=sys.stderr)
+        return 1
+    finally:
+        con.uninstall()
+    con.summary(manifest)
     return 0
 
 
@@ -35,17 +48,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _print_status(manifest: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from atlas.console import print_summary
 
-    table = Table(title=f"run {manifest['run_id']} — {manifest['status']}")
-    for col in ("stage", "status", "seconds", "stats"):
-        table.add_column(col)
-    for name, st in manifest["stages"].items():
-        stats = st.get("stats") or st.get("error") or st.get("reason") or ""
-        table.add_row(name, st["status"], str(st.get("seconds", "")), stats if isinstance(stats, str) else json.dumps(stats))
-    Console().print(table)
-    print(f"output: {manifest['config']['output']}")
+    print_summary(manifest)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -104,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. stage1.max_tags=8")
         sp.add_argument("--stages", nargs="+", help="run only these stages (in order)")
         sp.add_argument("--run-id", help="run id (default: time + random suffix)")
-        sp.add_argument("--log-file", help="also write JSON-lines logs here")
+        sp.add_argument("--log-file", help="also write JSON-lines logs here (Ray's own log lines go here too)")
+        sp.add_argument("--force", action="store_true", help="rerun stages even when they are up to date")
 
     r = sub.add_parser("run", help="run the pipeline stages on a corpus")
     add_run_flags(r, need_io=True)

@@ -70,7 +70,10 @@ class EngineConfig(_Section):
     """The LLM engine shared by tagging, labelling and judging."""
 
     model: str = Field(default="embedded:gemma3-270m", description="HF directory/name, or embedded:<name> for a packaged model.")
-    backend: Literal["vllm", "transformers"] = "vllm"
+    backend: Literal["vllm", "transformers", "test"] = Field(
+        default="vllm",
+        description="vllm | transformers | test (a deterministic fake for tests and benchmarks of the pipeline itself; never for real runs).",
+    )
     device: Literal["cpu", "gpu"] = "cpu"
     tensor_parallel_size: int = Field(default=1, ge=1)
     accelerator_type: str | None = Field(default=None, description="Ray accelerator type for GPU actors, e.g. 'A100'.")
@@ -90,6 +93,8 @@ class EngineConfig(_Section):
     cpu_threads: int | None = Field(
         default=None, ge=1, description="CPU engine: OMP threads per replica (None: host cores / replicas, not Ray's num_cpus)."
     )
+    test_delay_s: float = Field(default=0.0, ge=0, description="backend=test only: seconds of sleep per generated row.")
+    test_invalid_rate: float = Field(default=0.0, ge=0, le=1, description="backend=test only: fraction of rows answered with invalid output.")
 
 
 class Stage1Config(_Section):
@@ -101,6 +106,9 @@ class Stage1Config(_Section):
     max_chunks: int | None = Field(default=None, ge=1, description="Tag only the first N chunks (by chunk id); None: all.")
     frequency_penalty: float = Field(default=0.7, ge=0, le=2, description="Penalise repeated output tokens (curbs repeated tags; 0.7 measured on Gemma 3 270M).")
     cache: bool = Field(default=True, description="Reuse generations from <output>/_cache for identical requests.")
+    max_error_rate: float = Field(
+        default=0.2, ge=0, le=1, description="Fail the stage (tags and judge) when more than this fraction of its rows has an error."
+    )
 
 
 class JudgeConfig(_Section):

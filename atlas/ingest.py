@@ -357,3 +357,27 @@ def ingest(input_uri: str, root: storage.Location, cfg: IngestConfig, storage_cf
         "skipped_files": sum(skipped.values()),
         "skipped_file_reasons": skipped,
     }
+
+
+# ---------------------------------------------------------------- stage
+
+
+from atlas.stage import BaseStage, register  # noqa: E402 - the stage wrapper needs the functions above
+
+
+@register
+class IngestStage(BaseStage):
+    """corpus (``cfg.input``) -> ``documents`` + ``quarantine``."""
+
+    name = "ingest"
+    inputs = ()
+    outputs = ("documents", "quarantine")
+    config_keys = ("input", "ingest")
+
+    def source_fingerprint(self, cfg) -> str | None:
+        # The corpus is not a run table: its listing (paths + sizes) stands in for a version.
+        files = list_inputs(cfg.input, cfg.storage, cfg.ingest.formats)
+        return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+    def run(self, ctx) -> dict:
+        return ingest(ctx.cfg.input, ctx.root, ctx.cfg.ingest, ctx.cfg.storage)

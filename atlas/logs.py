@@ -25,15 +25,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-def setup(log_file: str | None = None, level: str = "INFO") -> None:
-    """Console (rich) for people, optional JSON-lines file for machines."""
+def setup(log_file: str | None = None, level: str = "INFO", console_level: str | None = None) -> None:
+    """Console (rich) for people, optional JSON-lines file for machines. ``console_level``
+    raises the console's threshold (``atlas run`` shows stage progress itself)."""
     from rich.logging import RichHandler
 
     root = logging.getLogger("atlas")
     root.setLevel(level)
     root.handlers.clear()
     root.propagate = False
-    root.addHandler(RichHandler(show_path=False, rich_tracebacks=False, markup=False))
+    rh = RichHandler(show_path=False, rich_tracebacks=False, markup=False)
+    if console_level:
+        rh.setLevel(console_level)
+    root.addHandler(rh)
     if log_file:
         os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
         fh = logging.FileHandler(log_file, encoding="utf-8")

@@ -81,14 +81,11 @@ class Manifest:
         self.data["stages"][stage] = {"status": "running", "started_at": _now()}
         self.save()
 
-    def finish(self, stage: str, stats: dict[str, Any]) -> None:
+    def finish(self, stage: str, stats: dict[str, Any], tables: dict[str, dict] | None = None) -> None:
+        """Record a completed stage: its stats and the pointers of the tables it published."""
         entry = self.data["stages"][stage]
         entry.update(status="done", finished_at=_now(), seconds=round(time.perf_counter() - self._t0[stage], 2), stats=stats)
-        entry["tables"] = {
-            t: storage.read_json(self.root.join(t, storage.POINTER))
-            for t in stats.pop("_tables", [])
-            if storage.table_exists(self.root, t)
-        }
+        entry["tables"] = tables or {}
         self.save()
 
     def fail(self, stage: str, error: BaseException) -> None:
@@ -98,8 +95,14 @@ class Manifest:
             entry["seconds"] = round(time.perf_counter() - self._t0[stage], 2)
         self.close("failed")
 
-    def skip(self, stage: str, why: str) -> None:
-        self.data["stages"][stage] = {"status": "skipped", "reason": why}
+    def skip(self, stage: str, why: str, tables: dict[str, dict] | None = None, stats: dict | None = None) -> None:
+        """A stage not run: disabled, or up to date (then ``tables`` are the outputs it kept)."""
+        entry: dict[str, Any] = {"status": "skipped", "reason": why}
+        if tables:
+            entry["tables"] = tables
+        if stats is not None:
+            entry["stats"] = stats
+        self.data["stages"][stage] = entry
         self.save()
 
     def close(self, status: str) -> None:

@@ -1,14 +1,21 @@
-"""Run the Atlas stages built so far, in order, recording a manifest.
+"""Run the registered Atlas stages in data-flow order, recording a manifest.
 
 ``run(cfg)`` is what ``atlas run`` and the Ray job entrypoint (pipelines/run_atlas.py) call.
-It connects to ``cfg.ray.address`` or starts a local Ray cluster for the run.
+The runner knows no stage details: it takes stages from :data:`atlas.stage.REGISTRY`, checks
+their inputs are published, skips a stage whose fingerprint (config sections + input table
+versions) matches its last completion, owns Ray (started only when a stage has to run) and
+records each stage's stats and published tables in the manifest and in
+``<root>/_stages/<stage>.json``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable
+import time
+from typing import Any
 
+from atlas import stage as stg
 from atlas import storage
 from atlas.cluster import ray_session
 from atlas.config import ConfigError, RunConfig
@@ -16,56 +23,88 @@ from atlas.manifest import Manifest
 
 log = logging.getLogger("atlas.run")
 
-STAGES = ("ingest", "chunk", "stage1_tags", "stage1_judge")
+
+def __getattr__(name: str) -> Any:
+    if name == "STAGES":  # the default pipeline, resolved lazily (stage modules register on import)
+        return tuple(stg.pipeline_order())
+    raise AttributeError(name)
 
 
-def _stage_functions(cfg: RunConfig, root: storage.Location) -> dict[str, Callable[[], dict[str, Any]]]:
-    from atlas import chunking, ingest, stage1_tags
-    from atlas.engine import resolve_model
-
-    def run_ingest() -> dict[str, Any]:
-        stats = ingest.ingest(cfg.input, root, cfg.ingest, cfg.storage)
-        return {**stats, "_tables": ["documents", "quarantine"]}
-
-    def run_chunk() -> dict[str, Any]:
-        tokenizer = cfg.chunking.tokenizer or resolve_model(cfg.engine.model)
-        return {**chunking.chunk(root, tokenizer, cfg.chunking), "tokenizer": tokenizer, "_tables": ["chunks"]}
-
-    def run_tags() -> dict[str, Any]:
-        return {**stage1_tags.tag_chunks(root, cfg), "_tables": ["chunk_tags"]}
-
-    def run_judge() -> dict[str, Any]:
-        return {**stage1_tags.judge_tags(root, cfg), "_tables": ["tag_judgements", "tag_judge_by_chunk", "tag_judge_by_tag"]}
-
-    return {"ingest": run_ingest, "chunk": run_chunk, "stage1_tags": run_tags, "stage1_judge": run_judge}
+def _pointers(root: storage.Location, tables: tuple[str, ...]) -> dict[str, dict]:
+    out = {}
+    for t in tables:
+        ptr = root.join(t, storage.POINTER)
+        if storage.exists(ptr):
+            out[t] = storage.read_json(ptr)
+    return out
 
 
-def run(cfg: RunConfig, stages: tuple[str, ...] = STAGES) -> dict[str, Any]:
-    """Run ``stages`` on ``cfg`` and return the final manifest (also stored with the outputs)."""
+def run(cfg: RunConfig, stages: tuple[str, ...] | None = None, force: bool = False, console: Any = None) -> dict[str, Any]:
+    """Run ``stages`` (default: all registered) on ``cfg``; returns the manifest (also stored
+    with the outputs). ``force`` reruns stages that are up to date."""
     if not cfg.input or not cfg.output:
         raise ConfigError("a run needs both an input and an output URI (--input / --output)")
-    unknown = [s for s in stages if s not in STAGES]
-    if unknown:
-        raise ConfigError(f"unknown stage(s) {unknown}; known: {list(STAGES)}")
+    names = stg.pipeline_order(stages)
     cfg = cfg.with_run_id()
     root = storage.resolve(cfg.output, cfg.storage)
-    manifest = Manifest(root, cfg, list(stages))
-    enabled = {"stage1_tags": cfg.stage1.enabled, "stage1_judge": cfg.judge.enabled and cfg.stage1.enabled}
-    with ray_session(cfg.ray):
-        funcs = _stage_functions(cfg, root)
-        for stage in stages:
-            if not enabled.get(stage, True):
-                manifest.skip(stage, "disabled in config")
+    manifest = Manifest(root, cfg, names)
+    with contextlib.ExitStack() as stack:
+        ray_up = False
+        for name in names:
+            stage = stg.REGISTRY[name]
+            extra = {"stage": name, "run_id": cfg.run_id}
+            if not stage.enabled(cfg):
+                manifest.skip(name, "disabled in config")
+                _tell(console, name, "skipped", None, "disabled in config")
                 continue
-            log.info("stage started", extra={"stage": stage, "run_id": cfg.run_id})
-            manifest.start(stage)
+            missing = [t for t in stage.inputs if not storage.table_exists(root, t)]
+            if missing:
+                err = stg.StageError(
+                    f"stage {name} needs table(s) {missing}, not published under {root.uri}; "
+                    f"run the stage(s) producing them first"
+                )
+                manifest.start(name)
+                manifest.fail(name, err)
+                _tell(console, name, "failed", None, str(err))
+                raise err
+            rec = None if force else stg.up_to_date(stage, cfg, root)
+            if rec is not None:
+                why = f"up to date (completed in run {rec.get('run_id')})"
+                manifest.skip(name, why, tables=_pointers(root, stage.outputs), stats=rec.get("stats"))
+                log.info("stage skipped", extra={**extra, "reason": why})
+                _tell(console, name, "skipped", None, why)
+                continue
+            if not ray_up:
+                stack.enter_context(ray_session(cfg.ray, shared_uris=(cfg.input, cfg.output)))
+                if console is not None:
+                    from atlas.console import route_ray_logs
+
+                    route_ray_logs(getattr(console, "log_file", None))
+                ray_up = True
+            fp, inputs = stg.fingerprint(stage, cfg, root)
+            log.info("stage started", extra=extra)
+            if console is not None:
+                console.stage_started(name)
+            manifest.start(name)
+            t0 = time.perf_counter()
             try:
-                stats = funcs[stage]()
+                stats = stage.run(stg.StageContext(root, cfg, cfg.run_id or "", name))
             except BaseException as e:
-                manifest.fail(stage, e)
-                log.error("stage failed", extra={"stage": stage, "run_id": cfg.run_id, "error": str(e)})
+                manifest.fail(name, e)
+                log.error("stage failed", extra={**extra, "error": str(e)})
+                _tell(console, name, "failed", time.perf_counter() - t0, "")
                 raise
-            manifest.finish(stage, stats)
-            log.info("stage done", extra={"stage": stage, "run_id": cfg.run_id, "stats": manifest.data["stages"][stage]["stats"]})
+            tables = _pointers(root, stage.outputs)
+            manifest.finish(name, stats, tables)
+            stg.write_record(root, stage, fp, inputs, tables, stats, cfg.run_id or "")
+            log.info("stage done", extra={**extra, "stats": stats})
+            rows = ", ".join(f"{t}: {p.get('rows')} rows" for t, p in tables.items())
+            _tell(console, name, "done", time.perf_counter() - t0, rows)
     manifest.close("done")
     return manifest.data
+
+
+def _tell(console: Any, name: str, status: str, seconds: float | None, note: str) -> None:
+    if console is not None:
+        console.end_progress()
+        console.stage_ended(name, status, seconds, note)

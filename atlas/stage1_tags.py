@@ -1,31 +1,34 @@
 """Stage 1: tag chunks with the LLM engine, and validate the tags with an LLM judge.
 
-``tag_chunks`` reads the published ``chunks`` table, asks the engine for a JSON list of
-topical tags per chunk (few-shot prompt, JSON-schema constrained), normalises the tags and
-publishes ``chunk_tags``. ``judge_tags`` rates every (chunk, tag) pair 1-5 (constrained to
-the five answers), publishes ``tag_judgements`` plus per-chunk and per-tag averages, and
-draws both distributions (paper Fig. 5) to ``<root>/plots/tag_judge.png``.
+Two :class:`atlas.stage.LLMStage` s. ``stage1_tags`` streams the published ``chunks`` through
+the engine: a few-shot prompt per chunk asks for a JSON list of topical tags (JSON-schema
+constrained); answers are normalised into ``chunk_tags``. ``stage1_judge`` rates every
+(chunk, tag) pair 1-5 (constrained to the five answers) into ``tag_judgements``, then
+publishes per-chunk and per-tag averages and draws both distributions (paper Fig. 5) to
+``<root>/plots/tag_judge.png``.
 
-Generations go through the engine's request cache, so a rerun on the same input reuses them
-and does not start the engine.
+Generations go through the engine's request cache (a join inside Ray Data), so a rerun on
+the same input reuses them, and an interrupted run resumes where its cache ends.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import io
 import json
 import re
-import time
 import unicodedata
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from atlas import schemas, storage
+from atlas import schemas
 from atlas.config import RunConfig
-from atlas.engine import Engine, Sampling, prompts
+from atlas.engine import Sampling, prompts
+from atlas.stage import LLMStage, StageContext, register
 from atlas.storage import Location
 
 _PUNCT_EDGE = re.compile(r"^[\W_]+|[\W_]+$", re.UNICODE)
@@ -75,226 +78,307 @@ def parse_tags(raw: str | None, schema: dict) -> tuple[list | None, str | None]:
     return val, None
 
 
-def _engine_stats(stats) -> dict[str, Any]:
-    return {
-        "engine_started": stats.engine_started,
-        "engine_seconds": round(stats.engine_seconds, 3),
-        "generated": stats.generated,
-    }
+def smallest(ds, k: int, column: str = "chunk_id", key: Callable[[str], str] | None = None) -> list[str]:
+    """The ``k`` values of ``column`` with the smallest ``key`` (default: the value itself),
+    streamed: each batch keeps its own k best, the driver a heap of k."""
+
+    def best(batch: pa.Table) -> pa.Table:
+        vals = batch.column(column).to_pylist()
+        ranked = heapq.nsmallest(k, ((key(v) if key else v, v) for v in vals))
+        return pa.table({"rank": pa.array([r for r, _ in ranked], pa.string()), "value": pa.array([v for _, v in ranked], pa.string())})
+
+    cand: list[tuple[str, str]] = []
+    for b in ds.select_columns([column]).map_batches(best, batch_format="pyarrow").iter_batches(batch_size=None, batch_format="pyarrow"):
+        cand.extend(zip(b.column("rank").to_pylist(), b.column("value").to_pylist()))
+        if len(cand) > 4 * k + 1024:
+            cand = heapq.nsmallest(k, cand)
+    return sorted(v for _, v in heapq.nsmallest(k, cand))
 
 
-def _read_chunks(root: Location, limit: int | None) -> pa.Table:
-    tbl = storage.read_table(root, "chunks", columns=["chunk_id", "doc_id", "text"]).sort_by("chunk_id")
-    return tbl.slice(0, limit) if limit else tbl
+SMALL_SAMPLE = 50_000  # judge samples up to this many chunks attach texts by value, not by a join
+SMALL_AGGREGATE = 200_000  # judgements up to this many rows are aggregated in one pyarrow group-by
+
+
+def _attach(batch: pa.Table, texts: pa.Table) -> pa.Table:
+    """Inner join of a batch with a small table carried by value (an index lookup: pyarrow's
+    join does not carry list columns such as ``tags``)."""
+    idx = pc.index_in(batch.column("chunk_id"), value_set=texts.column("chunk_id"))
+    keep = pc.is_valid(idx)
+    batch, idx = batch.filter(keep), idx.filter(keep)
+    return batch.append_column("text", texts.column("text").take(idx))
+
+
+def _sample_key(chunk_id: str) -> str:
+    return hashlib.sha256(chunk_id.encode()).hexdigest()
+
+
+def _keep(ds, column: str, values: list[str]):
+    """Rows of ``ds`` whose ``column`` is in ``values`` (a small list, broadcast to tasks)."""
+    vs = pa.array(values, pa.string())
+    return ds.map_batches(lambda b: b.filter(pc.is_in(b.column(column), value_set=vs)), batch_format="pyarrow")
+
+
+@register
+class TagStage(LLMStage):
+    name = "stage1_tags"
+    inputs = ("chunks",)
+    outputs = ("chunk_tags",)
+    output_schema = schemas.CHUNK_TAGS
+    config_keys = ("stage1", "engine")
+
+    def enabled(self, cfg: RunConfig) -> bool:
+        return cfg.stage1.enabled
+
+    def source(self, ctx: StageContext):
+        ds = ctx.read("chunks").select_columns(["chunk_id", "doc_id", "text"])
+        if self.cfg.stage1.max_chunks:
+            ds = _keep(ds, "chunk_id", smallest(ds, self.cfg.stage1.max_chunks))
+        return ds
+
+    def expected_rows(self, ctx: StageContext) -> int | None:
+        n = ctx.rows("chunks")
+        m = ctx.cfg.stage1.max_chunks
+        return min(n, m) if (n is not None and m) else n
+
+    def _schema(self) -> dict:
+        return prompts.tag_schema(self.cfg.stage1.max_tags * 2)  # let the model overshoot; normalisation caps
+
+    def requests(self, batch: pa.Table) -> pa.Table:
+        s1 = self.cfg.stage1
+        sampling = Sampling(
+            max_tokens=s1.max_new_tokens, temperature=s1.temperature, seed=self.cfg.engine.seed,
+            frequency_penalty=s1.frequency_penalty, json_schema=self._schema(),
+        ).key()
+        template = self.engine.chat_template
+        return pa.table(
+            {
+                "key": batch.column("chunk_id"),
+                "doc_id": batch.column("doc_id"),
+                "prompt": pa.array([prompts.tag_prompt(t, template) for t in batch.column("text").to_pylist()], pa.string()),
+                "sampling": pa.array([sampling] * batch.num_rows, pa.string()),
+            }
+        )
+
+    def parse(self, batch: pa.Table, answers: pa.Table) -> pa.Table:
+        s1, schema = self.cfg.stage1, self._schema()
+        tags_col: list[list[str]] = []
+        errors: list[str | None] = []
+        for cid, raw, err, finish in zip(
+            answers.column("key").to_pylist(), answers.column("text").to_pylist(),
+            answers.column("error").to_pylist(), answers.column("finish_reason").to_pylist(),
+        ):
+            tags: list[str] = []
+            if err is None:
+                val, err = parse_tags(raw, schema)
+                if err is not None and finish == "length":
+                    err = f"output cut at stage1.max_new_tokens={s1.max_new_tokens} before the JSON closed: {raw[:80]!r}"
+                if val is not None:
+                    tags = normalize_tags(val, s1.max_tags, s1.max_tag_words)
+                    if not tags:
+                        err = f"no usable tag after normalisation: {raw[:80]!r}"
+                        tags = []
+            tags_col.append(tags if err is None else [])
+            errors.append(None if err is None else f"chunk {cid}: {err}")
+        return pa.table(
+            {
+                "chunk_id": answers.column("key"),
+                "doc_id": batch.column("doc_id"),
+                "tags": pa.array(tags_col, pa.list_(pa.string())),
+                "raw_output": answers.column("text"),
+                "error": pa.array(errors, pa.string()),
+                "model": pa.array([self.engine.model] * batch.num_rows, pa.string()),
+                "request_hash": answers.column("request_hash"),
+                "output_tokens": answers.column("output_tokens"),
+                "cached": answers.column("cached"),
+            }
+        )
+
+
+@register
+class JudgeStage(LLMStage):
+    name = "stage1_judge"
+    inputs = ("chunk_tags", "chunks")
+    outputs = ("tag_judgements", "tag_judge_by_chunk", "tag_judge_by_tag")
+    output_schema = schemas.TAG_JUDGEMENTS
+    config_keys = ("judge", "engine", "stage1.max_error_rate", "stage1.cache")
+
+    def enabled(self, cfg: RunConfig) -> bool:
+        return cfg.judge.enabled and cfg.stage1.enabled
+
+    def model(self, cfg: RunConfig) -> str | None:
+        return cfg.judge.model
+
+    def source(self, ctx: StageContext):
+        from atlas.engine.runner import join_partitions
+
+        tags = ctx.read("chunk_tags").select_columns(["chunk_id", "tags", "error"])
+        tags = tags.map_batches(lambda b: b.filter(pc.is_null(b.column("error"))).drop_columns(["error"]), batch_format="pyarrow")
+        chunks = ctx.read("chunks").select_columns(["chunk_id", "text"])
+        k = self.cfg.judge.sample_chunks
+        if k is None or k > SMALL_SAMPLE:
+            n = ctx.rows("chunk_tags") if k is None else k
+            if k is not None:
+                ids = smallest(tags, k, key=_sample_key)
+                tags, chunks = _keep(tags, "chunk_id", ids), _keep(chunks, "chunk_id", ids)
+            return tags.join(chunks, join_type="inner", num_partitions=join_partitions(n), on=("chunk_id",))
+        # A deterministic sample spread over documents: the chunks with the smallest hash. A
+        # sample this small is cheaper to attach by value than by a shuffle join: its texts
+        # (k rows) ride along with the tasks.
+        ids = smallest(tags, k, key=_sample_key)
+        parts = [b for b in _keep(chunks, "chunk_id", ids).iter_batches(batch_size=None, batch_format="pyarrow")]
+        texts = pa.concat_tables(parts) if parts else pa.table({"chunk_id": pa.array([], pa.string()), "text": pa.array([], pa.string())})
+        return _keep(tags, "chunk_id", ids).map_batches(_attach, fn_kwargs={"texts": texts}, batch_format="pyarrow")
+
+    def requests(self, batch: pa.Table) -> pa.Table:
+        template = self.engine.chat_template
+        sampling = Sampling(
+            max_tokens=self.cfg.judge.max_new_tokens, temperature=0.0, seed=self.cfg.engine.seed,
+            choice=tuple(prompts.judge_choices(template)),
+        ).key()
+        cids, tags, ps = [], [], []
+        for cid, tlist, text in zip(batch.column("chunk_id").to_pylist(), batch.column("tags").to_pylist(), batch.column("text").to_pylist()):
+            for tag in tlist or []:
+                cids.append(cid)
+                tags.append(tag)
+                ps.append(prompts.judge_prompt(text, tag, template))
+        return pa.table(
+            {
+                "key": pa.array([f"{c}\t{t}" for c, t in zip(cids, tags)], pa.string()),
+                "chunk_id": pa.array(cids, pa.string()),
+                "tag": pa.array(tags, pa.string()),
+                "prompt": pa.array(ps, pa.string()),
+                "sampling": pa.array([sampling] * len(ps), pa.string()),
+            }
+        )
+
+    def parse(self, batch: pa.Table, answers: pa.Table) -> pa.Table:
+        scores: list[int | None] = []
+        errors: list[str | None] = []
+        for cid, tag, raw, err in zip(
+            batch.column("chunk_id").to_pylist(), batch.column("tag").to_pylist(),
+            answers.column("text").to_pylist(), answers.column("error").to_pylist(),
+        ):
+            score = None
+            if err is None:
+                s = (raw or "").strip()
+                if s in prompts.JUDGE_CHOICES:
+                    score = int(s)
+                else:
+                    err = f"judge answer {raw!r} is not one of 1..5"
+            scores.append(score)
+            errors.append(None if err is None else f"chunk {cid}, tag {tag!r}: {err}")
+        return pa.table(
+            {
+                "chunk_id": batch.column("chunk_id"),
+                "tag": batch.column("tag"),
+                "score": pa.array(scores, pa.int8()),
+                "raw_output": answers.column("text"),
+                "error": pa.array(errors, pa.string()),
+                "model": pa.array([self.engine.model] * batch.num_rows, pa.string()),
+                "cached": answers.column("cached"),
+            }
+        )
+
+    def finish(self, ctx: StageContext, published: dict) -> dict:
+        from atlas import storage
+        from atlas.engine.runner import join_partitions
+
+        n_rows = published["rows"]
+        if n_rows <= SMALL_AGGREGATE:
+            # Small enough for one process: read three columns, one pyarrow group-by each.
+            by_chunk, by_tag = aggregate_judgements(ctx.read_table("tag_judgements", ["chunk_id", "tag", "score"]))
+        else:
+            j = ctx.read("tag_judgements").select_columns(["chunk_id", "tag", "score"])
+            n = join_partitions(n_rows)
+            # Hash-partition by the group key, then one pyarrow group-by per block.
+            by_chunk = j.repartition(n, keys=["chunk_id"]).map_batches(
+                lambda b: aggregate_judgements(b)[0], batch_size=None, batch_format="pyarrow"
+            )
+            by_tag = j.repartition(n, keys=["tag"]).map_batches(
+                lambda b: aggregate_judgements(b)[1], batch_size=None, batch_format="pyarrow"
+            )
+        pc_ = ctx.publish("tag_judge_by_chunk", by_chunk, schemas.TAG_JUDGE_BY_CHUNK, desc="stage1_judge → tag_judge_by_chunk")
+        pt_ = ctx.publish("tag_judge_by_tag", by_tag, schemas.TAG_JUDGE_BY_TAG, desc="stage1_judge → tag_judge_by_tag")
+        hc, mc = histogram(storage.table_path(ctx.root, "tag_judge_by_chunk"), "mean_score")
+        ht, mt = histogram(storage.table_path(ctx.root, "tag_judge_by_tag"), "mean_score")
+        _, ms = histogram(storage.table_path(ctx.root, "tag_judgements"), "score")
+        png = plot_judge_histograms(hc, ht, title=f"Stage 1 tag relevance (judge: {self.engine.model})")
+        plot = ctx.root.join("plots", "tag_judge.png")
+        storage.write_bytes_atomic(plot, png)
+        return {
+            "pairs": published["rows"],
+            "chunks": pc_["rows"],
+            "tags": pt_["rows"],
+            "scored": published["rows"] - published["errors"],
+            "mean_score": ms,
+            "mean_chunk_score": mc,
+            "mean_tag_score": mt,
+            "plot": plot.uri,
+        }
+
+
+BINS = np.array([1 + 0.25 * i for i in range(17)])
+
+
+def histogram(loc: Location, column: str) -> tuple[np.ndarray, float | None]:
+    """Counts of ``column`` over :data:`BINS` and its mean (nulls ignored), scanning one
+    column of a published table batch by batch (no Ray job, flat driver memory)."""
+    import pyarrow.dataset as pads
+
+    total, s, n = np.zeros(len(BINS) - 1, dtype=np.int64), 0.0, 0
+    for b in pads.dataset(loc.path, filesystem=loc.fs, format="parquet").to_batches(columns=[column], batch_size=65536):
+        v = b.column(0).drop_null().to_numpy(zero_copy_only=False).astype(float)
+        total += np.histogram(v, bins=BINS)[0]
+        s += float(v.sum())
+        n += len(v)
+    return total, (round(s / n, 4) if n else None)
 
 
 def tag_chunks(root: Location, cfg: RunConfig) -> dict:
-    """Tag the published ``chunks`` of ``root`` and publish ``chunk_tags``; returns stats."""
-    import ray.data
-
-    t0 = time.perf_counter()
-    s1 = cfg.stage1
-    engine = Engine(cfg.engine)
-    chunks = _read_chunks(root, s1.max_chunks)
-    schema = prompts.tag_schema(s1.max_tags * 2)  # let the model overshoot; normalisation caps
-    sampling = Sampling(
-        max_tokens=s1.max_new_tokens,
-        temperature=s1.temperature,
-        seed=cfg.engine.seed,
-        frequency_penalty=s1.frequency_penalty,
-        json_schema=schema,
-    ).key()
-    template = engine.chat_template
-    texts = chunks.column("text").to_pylist()
-    reqs = pa.table(
-        {
-            "key": chunks.column("chunk_id"),
-            "prompt": pa.array([prompts.tag_prompt(t, template) for t in texts], pa.string()),
-            "sampling": pa.array([sampling] * chunks.num_rows, pa.string()),
-        }
-    )
-    out, stats = engine.generate(reqs, cache_root=root, use_cache=s1.cache)
-    tags_col: list[list[str]] = []
-    errors: list[str | None] = []
-    for cid, raw, err, finish in zip(
-        out.column("key").to_pylist(), out.column("text").to_pylist(), out.column("error").to_pylist(), out.column("finish_reason").to_pylist()
-    ):
-        if err is None:
-            val, err = parse_tags(raw, schema)
-            if err is not None and finish == "length":
-                err = f"output cut at stage1.max_new_tokens={s1.max_new_tokens} before the JSON closed: {raw[:80]!r}"
-            if val is not None:
-                tags = normalize_tags(val, s1.max_tags, s1.max_tag_words)
-                if not tags:
-                    err = f"no usable tag after normalisation: {raw[:80]!r}"
-                tags_col.append(tags if not err else [])
-            else:
-                tags_col.append([])
-        else:
-            tags_col.append([])
-        errors.append(None if err is None else f"chunk {cid}: {err}")
-    table = pa.table(
-        {
-            "chunk_id": chunks.column("chunk_id"),
-            "doc_id": chunks.column("doc_id"),
-            "tags": pa.array(tags_col, pa.list_(pa.string())),
-            "raw_output": out.column("text"),
-            "error": pa.array(errors, pa.string()),
-            "model": pa.array([engine.model] * chunks.num_rows, pa.string()),
-            "request_hash": out.column("request_hash"),
-            "output_tokens": out.column("output_tokens"),
-            "cached": out.column("cached"),
-        }
-    )
-    table = schemas.conform(table, schemas.CHUNK_TAGS)
-    storage.write_dataset(root, "chunk_tags", ray.data.from_arrow(table), schema=schemas.CHUNK_TAGS)
-    n_err = sum(e is not None for e in errors)
-    return {
-        "rows": table.num_rows,
-        "ok": table.num_rows - n_err,
-        "errors": n_err,
-        "cached": stats.cached,
-        "seconds": round(time.perf_counter() - t0, 3),
-        "output_tokens": stats.output_tokens,
-        "tags": int(sum(len(t) for t in tags_col)),
-        "model": engine.model,
-        **_engine_stats(stats),
-    }
+    """Run the tag stage on ``root`` (Ray must be initialised); returns its stats."""
+    return _run_stage("stage1_tags", root, cfg)
 
 
 def judge_tags(root: Location, cfg: RunConfig) -> dict:
-    """Rate each (chunk, tag) of the published ``chunk_tags`` 1-5 with the judge model."""
-    import ray.data
-
-    t0 = time.perf_counter()
-    jc = cfg.judge
-    engine = Engine(cfg.engine, model=jc.model)
-    tags = storage.read_table(root, "chunk_tags", columns=["chunk_id", "tags", "error"])
-    tags = tags.filter(pc.is_null(tags.column("error")))
-    if jc.sample_chunks is not None and tags.num_rows > jc.sample_chunks:
-        # A deterministic sample spread over documents: the chunks with the smallest hash.
-        order = sorted(range(tags.num_rows), key=lambda i: hashlib.sha256(tags.column("chunk_id")[i].as_py().encode()).hexdigest())
-        tags = tags.take(sorted(order[: jc.sample_chunks]))
-    tags = tags.sort_by("chunk_id")
-    chunk_ids = set(tags.column("chunk_id").to_pylist())
-    chunks = _read_chunks(root, None)
-    text_of = {c: t for c, t in zip(chunks.column("chunk_id").to_pylist(), chunks.column("text").to_pylist()) if c in chunk_ids}
-    template = engine.chat_template
-    choices = prompts.judge_choices(template)
-    sampling = Sampling(max_tokens=jc.max_new_tokens, temperature=0.0, seed=cfg.engine.seed, choice=tuple(choices)).key()
-    pairs: list[tuple[str, str]] = []
-    for cid, tlist in zip(tags.column("chunk_id").to_pylist(), tags.column("tags").to_pylist()):
-        for tag in tlist or []:
-            pairs.append((cid, tag))
-    reqs = pa.table(
-        {
-            "key": pa.array([f"{c}\t{t}" for c, t in pairs], pa.string()),
-            "prompt": pa.array([prompts.judge_prompt(text_of[c], t, template) for c, t in pairs], pa.string()),
-            "sampling": pa.array([sampling] * len(pairs), pa.string()),
-        }
-    )
-    out, stats = engine.generate(reqs, cache_root=root, use_cache=cfg.stage1.cache)
-    scores: list[int | None] = []
-    errors: list[str | None] = []
-    for (cid, tag), raw, err in zip(pairs, out.column("text").to_pylist(), out.column("error").to_pylist()):
-        score = None
-        if err is None:
-            s = (raw or "").strip()
-            if s in prompts.JUDGE_CHOICES:
-                score = int(s)
-            else:
-                err = f"judge answer {raw!r} is not one of 1..5"
-        scores.append(score)
-        errors.append(None if err is None else f"chunk {cid}, tag {tag!r}: {err}")
-    judgements = schemas.conform(
-        pa.table(
-            {
-                "chunk_id": pa.array([c for c, _ in pairs], pa.string()),
-                "tag": pa.array([t for _, t in pairs], pa.string()),
-                "score": pa.array(scores, pa.int8()),
-                "raw_output": out.column("text"),
-                "error": pa.array(errors, pa.string()),
-                "model": pa.array([engine.model] * len(pairs), pa.string()),
-            }
-        ),
-        schemas.TAG_JUDGEMENTS,
-    )
-    by_chunk, by_tag = aggregate_judgements(judgements)
-    storage.write_dataset(root, "tag_judgements", ray.data.from_arrow(judgements), schema=schemas.TAG_JUDGEMENTS)
-    storage.write_table(root, "tag_judge_by_chunk", by_chunk)
-    storage.write_table(root, "tag_judge_by_tag", by_tag)
-    png = plot_judge_distributions(by_chunk, by_tag, title=f"Stage 1 tag relevance (judge: {engine.model})")
-    storage.write_bytes_atomic(root.join("plots", "tag_judge.png"), png)
-    valid = [s for s in scores if s is not None]
-    return {
-        "pairs": len(pairs),
-        "chunks": len(chunk_ids),
-        "scored": len(valid),
-        "errors": len(pairs) - len(valid),
-        "cached": stats.cached,
-        "mean_score": round(sum(valid) / len(valid), 4) if valid else None,
-        "mean_chunk_score": _mean(by_chunk.column("mean_score").to_pylist()),
-        "mean_tag_score": _mean(by_tag.column("mean_score").to_pylist()),
-        "output_tokens": stats.output_tokens,
-        "seconds": round(time.perf_counter() - t0, 3),
-        "model": engine.model,
-        "plot": root.join("plots", "tag_judge.png").uri,
-        **_engine_stats(stats),
-    }
+    """Run the judge stage on ``root`` (Ray must be initialised); returns its stats."""
+    return _run_stage("stage1_judge", root, cfg)
 
 
-def _mean(xs: list) -> float | None:
-    v = [x for x in xs if x is not None]
-    return round(sum(v) / len(v), 4) if v else None
+def _run_stage(name: str, root: Location, cfg: RunConfig) -> dict:
+    from atlas.stage import REGISTRY
+
+    cfg = cfg.with_run_id()
+    return REGISTRY[name].run(StageContext(root, cfg, cfg.run_id or "", name))
 
 
 def aggregate_judgements(j: pa.Table) -> tuple[pa.Table, pa.Table]:
-    """Per-chunk and per-tag mean scores (unscored pairs count in n_* but not in the mean)."""
-    by_c: dict[str, list] = {}
-    by_t: dict[str, list] = {}
-    for cid, tag, s in zip(j.column("chunk_id").to_pylist(), j.column("tag").to_pylist(), j.column("score").to_pylist()):
-        by_c.setdefault(cid, []).append(s)
-        by_t.setdefault(tag, []).append(s)
+    """Per-chunk and per-tag mean scores (unscored pairs count in n_* but not in the mean).
+    The stage applies it to hash partitions of ``tag_judgements`` (one group-by per block)."""
 
-    def mean(v: list) -> float | None:
-        v = [x for x in v if x is not None]
-        return sum(v) / len(v) if v else None
+    def agg(key: str, count_name: str, schema: pa.Schema) -> pa.Table:
+        g = j.select([key, "score"]).group_by(key).aggregate([("score", "count", pc.CountOptions(mode="all")), ("score", "mean")])
+        t = pa.table({key: g.column(key), count_name: g.column("score_count"), "mean_score": g.column("score_mean")})
+        return schemas.conform(t.sort_by(key), schema)
 
-    chunk_t = pa.table(
-        {
-            "chunk_id": pa.array(sorted(by_c), pa.string()),
-            "n_tags": pa.array([len(by_c[c]) for c in sorted(by_c)], pa.int32()),
-            "mean_score": pa.array([mean(by_c[c]) for c in sorted(by_c)], pa.float64()),
-        }
-    )
-    tag_t = pa.table(
-        {
-            "tag": pa.array(sorted(by_t), pa.string()),
-            "n_chunks": pa.array([len(by_t[t]) for t in sorted(by_t)], pa.int32()),
-            "mean_score": pa.array([mean(by_t[t]) for t in sorted(by_t)], pa.float64()),
-        }
-    )
-    return schemas.conform(chunk_t, schemas.TAG_JUDGE_BY_CHUNK), schemas.conform(tag_t, schemas.TAG_JUDGE_BY_TAG)
+    return agg("chunk_id", "n_tags", schemas.TAG_JUDGE_BY_CHUNK), agg("tag", "n_chunks", schemas.TAG_JUDGE_BY_TAG)
 
 
-def plot_judge_distributions(by_chunk: pa.Table, by_tag: pa.Table, title: str = "Tag relevance") -> bytes:
-    """Two histograms (per-chunk and per-tag average score, 1..5), paper Fig. 5 style -> PNG bytes."""
+def plot_judge_histograms(chunk_hist: np.ndarray, tag_hist: np.ndarray, title: str = "Tag relevance") -> bytes:
+    """Two histograms (per-chunk and per-tag average score over :data:`BINS`), paper Fig. 5
+    style -> PNG bytes. Takes bin counts, so the values never sit on the driver."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
-    bins = [1 + 0.25 * i for i in range(17)]
-    for ax, tbl, what, color in (
-        (axes[0], by_chunk, "chunk", "#4C72B0"),
-        (axes[1], by_tag, "tag", "#DD8452"),
-    ):
-        vals = [v for v in tbl.column("mean_score").to_pylist() if v is not None]
-        ax.hist(vals, bins=bins, color=color, edgecolor="white")
-        m = sum(vals) / len(vals) if vals else float("nan")
+    centers = (BINS[:-1] + BINS[1:]) / 2
+    for ax, hist, what, color in ((axes[0], chunk_hist, "chunk", "#4C72B0"), (axes[1], tag_hist, "tag", "#DD8452")):
+        n = int(hist.sum())
+        m = float((hist * centers).sum() / n) if n else float("nan")  # bin-centre estimate, for the marker
+        ax.bar(BINS[:-1], hist, width=np.diff(BINS), align="edge", color=color, edgecolor="white")
         ax.axvline(m, color="black", linestyle="--", linewidth=1)
-        ax.set_title(f"Average score per {what} (n={len(vals)}, mean={m:.2f})")
+        ax.set_title(f"Average score per {what} (n={n}, mean≈{m:.2f})")
         ax.set_xlabel("mean relevance score (1-5)")
         ax.set_ylabel(f"{what}s")
         ax.set_xlim(1, 5)
@@ -303,3 +387,13 @@ def plot_judge_distributions(by_chunk: pa.Table, by_tag: pa.Table, title: str = 
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
     return buf.getvalue()
+
+
+def plot_judge_distributions(by_chunk: pa.Table, by_tag: pa.Table, title: str = "Tag relevance") -> bytes:
+    """:func:`plot_judge_histograms` from small in-memory per-chunk / per-tag tables."""
+
+    def hist(t: pa.Table) -> np.ndarray:
+        v = t.column("mean_score").drop_null().to_numpy(zero_copy_only=False).astype(float)
+        return np.histogram(v, bins=BINS)[0]
+
+    return plot_judge_histograms(hist(by_chunk), hist(by_tag), title)

@@ -28,7 +28,8 @@ def test_pipeline_on_s3_and_cached_rerun(ray_cluster, s3_server, s3_client):
     for p in sorted(DEMO_CORPUS.glob("*.txt"))[:2]:
         s3_client.put_object(Bucket="e2e", Key=f"corpus/{p.name}", Body=p.read_bytes())
     s3_client.put_object(Bucket="e2e", Key="corpus/blank.txt", Body=b"\n\n")
-    overrides = [f"storage.s3_endpoint={s3_server}", "storage.s3_allow_http=true", "stage1.max_chunks=6", "judge.sample_chunks=3"]
+    # 6 chunks: the assertions below allow 2 errors (33%), above the default bound.
+    overrides = [f"storage.s3_endpoint={s3_server}", "storage.s3_allow_http=true", "stage1.max_chunks=6", "judge.sample_chunks=3", "stage1.max_error_rate=0.5"]
     cfg = load_config(overrides=overrides, input="s3://e2e/corpus", output="s3://e2e/run", run_id="e2e-1")
 
     first = runner.run(cfg)
@@ -52,7 +53,10 @@ def test_pipeline_on_s3_and_cached_rerun(ray_cluster, s3_server, s3_client):
     assert manifest["run_id"] == "e2e-1" and manifest["stages"]["stage1_tags"]["tables"]["chunk_tags"]["rows"] == 6
     assert "atlas-test-secret" not in json.dumps(manifest)
 
-    second = runner.run(cfg.model_copy(update={"run_id": "e2e-2"}))
+    # Up-to-date stages are skipped; --force (force=True) reruns them, from the cache.
+    skipped = runner.run(cfg.model_copy(update={"run_id": "e2e-2"}))
+    assert {s["status"] for s in skipped["stages"].values()} == {"skipped"}
+    second = runner.run(cfg.model_copy(update={"run_id": "e2e-3"}), force=True)
     again = second["stages"]["stage1_tags"]["stats"]
     assert again["cached"] == again["rows"] == 6 and not again["engine_started"]
     assert second["stages"]["stage1_judge"]["stats"]["engine_started"] is False

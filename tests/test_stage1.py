@@ -83,7 +83,8 @@ def stage1_run(ray_cluster, tmp_path_factory):
     storage.write_table(root, "chunks", chunks)
     cfg = RunConfig(
         engine=small_engine_cfg(max_model_len=1024),
-        stage1=Stage1Config(max_tags=5, max_new_tokens=48),
+        # The injected over-long chunk is 1 error in 13 by design; the small model may add a few.
+        stage1=Stage1Config(max_tags=5, max_new_tokens=48, max_error_rate=0.5),
         judge=JudgeConfig(sample_chunks=6, max_new_tokens=4),
     )
     first = tag_chunks(root, cfg)

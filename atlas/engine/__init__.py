@@ -13,6 +13,7 @@ Public API:
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import pyarrow as pa
@@ -21,7 +22,7 @@ from atlas.config import EngineConfig
 from atlas.engine.cache import GenerationCache
 from atlas.engine.core import Backend, Result, Sampling, TransformersBackend, VLLMBackend, make_backend, request_hash
 from atlas.engine.models import EMBEDDED, ModelError, is_instruct, prepare_embedded, resolve_model
-from atlas.engine.runner import EngineActor, GenerationStats, actor_resources, generate
+from atlas.engine.runner import EngineActor, GenerationStats, actor_resources, generate, split_answers, stream_generate
 from atlas.storage import Location
 
 __all__ = [
@@ -43,7 +44,20 @@ __all__ = [
     "prepare_embedded",
     "request_hash",
     "resolve_model",
+    "split_answers",
+    "stream_generate",
 ]
+
+
+@functools.lru_cache(maxsize=4)
+def _chat_template(model_dir: str) -> Callable[[list[dict]], str] | None:
+    """Once per process (driver or Ray worker): the tokenizer's chat template as a function."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if not tok.chat_template:
+        return None
+    return lambda messages: tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 class Engine:
@@ -53,26 +67,22 @@ class Engine:
     def __init__(self, cfg: EngineConfig, model: str | None = None):
         self.cfg = cfg
         self.model = model or cfg.model
-        self.model_dir = resolve_model(self.model)
-        self.instruct = is_instruct(self.model)
+        # The test backend (atlas.engine.testing) loads no model: nothing to prepare.
+        self.model_dir = self.model if cfg.backend == "test" else resolve_model(self.model)
+        self.instruct = is_instruct(self.model) and cfg.backend != "test"
         # The cache key's model id: what was asked for and how it is served.
         self.model_id = f"{self.model}|{cfg.backend}|{cfg.dtype}"
-        self._template: Callable | None = None
 
     @property
     def chat_template(self) -> Callable[[list[dict]], str] | None:
         """messages -> prompt text for instruction-tuned models; None for base models."""
-        if not self.instruct:
-            return None
-        if self._template is None:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(self.model_dir)
-            if not tok.chat_template:
-                self.instruct = False
-                return None
-            self._template = lambda messages: tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self._template
+        # Module-level cache, not an attribute: an Engine is pickled into Ray tasks.
+        return _chat_template(self.model_dir) if self.instruct else None
 
     def generate(self, requests: pa.Table, cache_root: Location | None = None, use_cache: bool = True) -> tuple[pa.Table, GenerationStats]:
+        """A small in-memory request table through the engine (benchmarks, notebooks)."""
         return generate(requests, self.cfg, self.model_dir, self.model_id, cache_root=cache_root, use_cache=use_cache)
+
+    def stream(self, requests, cache_root: Location | None = None, use_cache: bool = True, storage_cfg=None, expected_rows: int | None = None):
+        """A request Ray Dataset -> answered Dataset (see :func:`stream_generate`)."""
+        return stream_generate(requests, self.cfg, self.model_dir, self.model_id, cache_root, use_cache, storage_cfg, expected_rows)

@@ -4,8 +4,13 @@ Key = sha256(model id, prompt, sampling parameters) (see :func:`atlas.engine.cor
 Successful generations and *permanent* failures (a property of the request, e.g. a prompt
 longer than the context) are stored; transient failures (an engine crash) are not, so such a
 row is retried on the next run.
-Each run appends one new file (written in one step), so concurrent writers never collide and
-a crashed run leaves no partial file behind.
+Every engine batch appends one new file (written in one step, by the engine actor that
+generated it), so concurrent writers never collide, a crashed run leaves no partial file
+behind and loses at most the batches that were in flight.
+
+At scale the lookup is not a driver loop: :meth:`GenerationCache.dataset` reads the cache as
+a Ray Dataset and :func:`atlas.engine.runner.stream_generate` joins it with the requests
+inside Ray Data. :meth:`lookup` is for small, in-memory request lists.
 """
 
 from __future__ import annotations
@@ -38,6 +43,28 @@ CACHE_SCHEMA = pa.schema(
 class GenerationCache:
     def __init__(self, root: Location):
         self.loc = root.join("_cache", "generations")
+
+    def has_entries(self) -> bool:
+        """True if any cache file exists (one listing call; no file is opened)."""
+        return bool(self._files())
+
+    def dataset(self, prefix: str = "_c_"):
+        """The cache as a Ray Dataset (request_hash plus the result columns renamed ``prefix*``),
+        for a join with a request Dataset."""
+        import ray.data
+
+        cols = ["request_hash", "model", "text", "output_tokens", "finish_reason", "error"]
+        ds = ray.data.read_parquet(
+            self.loc.path, filesystem=self.loc.fs, columns=cols, file_extensions=["parquet"]
+        )
+        return ds.rename_columns({c: prefix + c for c in cols if c != "request_hash"})
+
+    def rows(self) -> int:
+        """Number of cached entries (reads only the Parquet footers)."""
+        files = self._files()
+        if not files:
+            return 0
+        return sum(pq.ParquetFile(self.loc.fs.open_input_file(f)).metadata.num_rows for f in files)
 
     def _files(self) -> list[str]:
         sel = pafs.FileSelector(self.loc.path, allow_not_found=True)
