@@ -38,7 +38,7 @@ from atlas import console, storage
 from atlas.config import RunConfig
 
 # Modules whose import registers stages, in pipeline order. Other packages add theirs here.
-STAGE_MODULES: list[str] = ["atlas.ingest", "atlas.chunking", "atlas.stage1_tags"]
+STAGE_MODULES: list[str] = ["atlas.ingest", "atlas.chunking", "atlas.stage1_tags", "atlas.stage2.stages", "atlas.stage3.stages"]
 STAGE_RECORDS = "_stages"  # <root>/_stages/<stage>.json: how each stage last completed
 
 REGISTRY: dict[str, "Stage"] = {}

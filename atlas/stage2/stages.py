@@ -15,12 +15,7 @@ import pyarrow as pa
 from atlas import schemas, storage
 from atlas.stage2 import embed, label, pipeline, quality, taxonomy
 
-try:  # the stage interface (issue 8) may land after this module
-    from atlas.stage import register
-except ImportError:  # pragma: no cover - until core's atlas/stage.py is merged
-
-    def register(stage):  # type: ignore[no-redef]
-        return stage
+from atlas.stage import register
 
 
 class _Stage2:

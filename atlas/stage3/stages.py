@@ -17,12 +17,7 @@ from atlas.stage3 import annotate as annotate_mod
 from atlas.stage3 import evaluate, labels, train
 from atlas.stage3.annotators import Annotator, annotator_location
 
-try:  # the stage registry lands with the `core` work; the library above works without it
-    from atlas.stage import register
-except ImportError:  # pragma: no cover - until atlas/stage.py is merged
-
-    def register(stage):  # type: ignore[no-redef]
-        return stage
+from atlas.stage import register
 
 
 def library_of(ctx: Any) -> tuple[list[str], str]:
