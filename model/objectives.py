@@ -152,6 +152,20 @@ def eps_keep_mask(B: int, p: float, generator=None, device=None) -> torch.Tensor
     return (torch.rand(B, generator=generator, device=device) >= p).float()
 
 
+def concept_candidates(labels: torch.Tensor, n_neg: int, generator=None) -> torch.Tensor:
+    """Known concepts scored by a bounded concept loss: every concept positive somewhere in
+    the batch, plus ``n_neg`` uniformly sampled others. The negative term is a mean over
+    negative pairs, so a uniform sample estimates it without bias."""
+    n = labels.shape[1]
+    pos = (labels > 0.5).any(0)
+    pos_idx = pos.nonzero().squeeze(1)
+    neg_pool = (~pos).nonzero().squeeze(1)
+    if neg_pool.numel() > n_neg:
+        pick = torch.randperm(neg_pool.numel(), generator=generator, device=labels.device)[:n_neg]
+        neg_pool = neg_pool[pick]
+    return torch.cat([pos_idx, neg_pool]).sort().values
+
+
 # ----------------------------------------------------------------------------- all losses
 def compute_losses(model, batch: dict, tcfg: TrainConfig, step: int = 0, total_steps: int | None = None,
                    generator: torch.Generator | None = None, teacher_weight: float | None = None,
@@ -183,11 +197,19 @@ def compute_losses(model, batch: dict, tcfg: TrainConfig, step: int = 0, total_s
     if cfg.has_concepts:
         cm = model.concept
         # Known logits at the LM positions only (CDLM: soft-OR over masked positions).
-        known_sel = cm.known_logits(hs)  # (M, n): every concept gets a concept-loss gradient
+        labels = batch.get("chunk_labels")
+        cand = None
+        n_neg = getattr(tcfg, "concept_negatives", None)
+        if n_neg is not None and model.training and labels is not None and n_neg < cfg.n_known:  # eval scores all
+            cand = concept_candidates(labels, n_neg, generator)
+            c = cfg.concept_logit_clamp
+            known_sel = (hs @ cm.known_head.weight[cand].t().to(hs.dtype)
+                         + cm.known_head.bias[cand].to(hs.dtype)).clamp(-c, c)  # (M, |cand|)
+        else:
+            known_sel = cm.known_logits(hs)  # (M, n): every concept gets a concept-loss gradient
         w = tcfg.teacher_forcing(step, total_steps) if teacher_weight is None else teacher_weight
         k_teacher = None
         chunk_ids = batch.get("chunk_ids")
-        labels = batch.get("chunk_labels")
         ids = chunk_ids[sel] if chunk_ids is not None else None
         if labels is not None and w > 0:
             per_chunk = cm.known_from_labels(labels)  # (C, d)
@@ -198,7 +220,8 @@ def compute_losses(model, batch: dict, tcfg: TrainConfig, step: int = 0, total_s
             seq_keep = eps_keep_mask(B, p_eps, generator, idx.device)
             keep = seq_keep[:, None].expand(B, T)[sel]
             out["eps_dropped_frac"] = float(1 - seq_keep.mean())
-        co = cm(hs, known_logits=known_sel, k_hat_teacher=k_teacher, teacher_weight=w, eps_keep=keep)
+        co = cm(hs, known_logits=known_sel if cand is None else None, k_hat_teacher=k_teacher, teacher_weight=w,
+                eps_keep=keep)
         rec = reconstruction_loss(co.u_hat, hs - co.k_hat.detach())
         indep = independence_loss(co.k_hat.detach(), co.u_hat)
         total = total + tcfg.rec_weight * rec + tcfg.indep_weight * indep
@@ -206,7 +229,8 @@ def compute_losses(model, batch: dict, tcfg: TrainConfig, step: int = 0, total_s
         hs = co.h_bar
         if labels is not None:
             S, count = chunk_log_not(known_sel, ids, labels.shape[0], normalize=True)
-            closs = balanced_soft_or_loss(S, labels, count > 0, tcfg.concept_pos_weight)
+            closs = balanced_soft_or_loss(S, labels if cand is None else labels[:, cand], count > 0,
+                                          tcfg.concept_pos_weight)
             total = total + tcfg.concept_weight * closs
             out["concept_loss"] = closs.detach()
             if return_parts:
