@@ -131,7 +131,7 @@ def model_config(family: str, size: dict, vocab: int, seq_len: int, n_known: int
 
 def train_run(family: str, data: Planted, size: dict, steps: int, budget_s: float | None = None, batch: int = 16,
               lr: float = 3e-3, seed: int = 0, tc_over: dict | None = None, log=None,
-              evaluate_after: bool = True) -> dict:
+              evaluate_after: bool = True, timed_from: int = 0) -> dict:
     """Train one model on data.train for ``steps`` (stopping early at ``budget_s``), then
     evaluate on the held-out windows."""
     T = data.train.ids.shape[1]
@@ -146,6 +146,8 @@ def train_run(family: str, data: Planted, size: dict, steps: int, budget_s: floa
     t0 = time.perf_counter()
     done = 0
     for s in range(steps):
+        if s == timed_from:
+            t_timed = time.perf_counter()
         idx = torch.randint(len(data.train), (batch,), generator=gb)
         train_step(model, opt, data.train.batch(idx), tc, s, steps, gm)
         done = s + 1
@@ -153,7 +155,7 @@ def train_run(family: str, data: Planted, size: dict, steps: int, budget_s: floa
             break
     train_s = time.perf_counter() - t0
     if not evaluate_after:
-        return {"steps": done, "train_s": train_s}
+        return {"steps": done, "train_s": train_s, "step_s": (time.perf_counter() - t_timed) / max(1, done - timed_from)}
     n = len(data.held)
     held = [data.held.batch(torch.arange(i, min(i + batch, n))) for i in range(0, n, batch)]
     res = evaluate(model, held, tc)
@@ -185,6 +187,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--size", default="small", choices=sorted(SIZES))
     ap.add_argument("--steps", type=int, default=3000, help="upper bound on steps per run")
+    ap.add_argument("--fixed-steps", type=int, default=None, help="steps per run, skipping the budget fit")
     ap.add_argument("--concept-weight", type=float, default=CONCEPT_WEIGHT)
     ap.add_argument("--judge", default=None, help="engine model for the judged 1-5 alignment, e.g. embedded:NAME")
     args = ap.parse_args()
@@ -199,15 +202,17 @@ def main() -> None:
     tc_over = {"concept_weight": args.concept_weight}
     # Steps are fixed up front (same LR schedule for a family and its no-concept baseline):
     # time a few steps of each kind, then fit all five runs into the budget.
-    probe = {}
-    for fam in ("cdlm_concept", "cdlm", "ar_concept", "ar"):
-        t = time.perf_counter()
-        train_run(fam, data, size, 3, tc_over=tc_over, evaluate_after=False)
-        probe[fam] = (time.perf_counter() - t) / 3
-    per_step = probe["cdlm_concept"] * 2 + probe["cdlm"] + probe["ar_concept"] + probe["ar"]
-    left = args.budget_min * 60 - (time.perf_counter() - t_all)
-    steps = max(20, min(args.steps, int(0.85 * left / per_step)))
-    print(f"step times (s): {({k: round(v, 3) for k, v in probe.items()})} -> {steps} steps per run")
+    if args.fixed_steps:
+        steps = args.fixed_steps
+    else:
+        probe = {}
+        for fam in ("cdlm_concept", "cdlm", "ar_concept", "ar"):
+            r = train_run(fam, data, size, 8, tc_over=tc_over, evaluate_after=False, timed_from=3)
+            probe[fam] = r["step_s"]
+        per_step = probe["cdlm_concept"] * 2 + probe["cdlm"] + probe["ar_concept"] + probe["ar"]
+        left = args.budget_min * 60 - (time.perf_counter() - t_all)
+        steps = max(20, min(args.steps, int(0.8 * left / per_step)))
+        print(f"step times (s, after warm-up): {({k: round(v, 3) for k, v in probe.items()})} -> {steps} steps per run")
     runs = [("cdlm_concept", data), ("cdlm", data), ("ar_concept", data), ("ar", data), ("cdlm_concept", rnd)]
     out = {}
     for fam, d in runs:

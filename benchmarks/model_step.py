@@ -144,12 +144,16 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     ap.add_argument("--no-sweep", action="store_true", help="skip the concept-count sweep")
+    ap.add_argument("--skip-peak", action="store_true", help="skip the matmul-peak measurement (FLOP shares print as n/a)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     B, T = args.batch, args.seq
     warmup, reps = (1, 3) if args.quick else (2, 6)
     peak = Peak()
+    if args.skip_peak:
+        peak.update = lambda: None  # noqa: E731 - overhead ratios only
+        peak.bf16 = peak.fp32 = float("nan")
     peak.update()
     print(f"threads={torch.get_num_threads()}  batch={B}x{T} tokens/step={B * T}  compile={args.compile}")
 

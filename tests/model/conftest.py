@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -8,7 +9,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CORPUS = ROOT.parent / "shared" / "data" / "corpus" / "wikitext2"
+# STEERLING_TEST_CORPUS overrides (e.g. a git worktree whose parent has no shared/)
+CORPUS = Path(os.environ.get("STEERLING_TEST_CORPUS", ROOT.parent / "shared" / "data" / "corpus" / "wikitext2"))
 
 
 @pytest.fixture(autouse=True)
