@@ -144,12 +144,17 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     ap.add_argument("--no-sweep", action="store_true", help="skip the concept-count sweep")
+    ap.add_argument("--only-25m", action="store_true", help="skip the 10M row")
+    ap.add_argument("--reps", type=int, default=None, help="timed steps per runner (overrides --quick)")
+    ap.add_argument("--paper-counts-only", action="store_true", help="sweep only the paper's 33,732 / 101,196")
     ap.add_argument("--skip-peak", action="store_true", help="skip the matmul-peak measurement (FLOP shares print as n/a)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     B, T = args.batch, args.seq
     warmup, reps = (1, 3) if args.quick else (2, 6)
+    if args.reps:
+        reps = args.reps
     peak = Peak()
     if args.skip_peak:
         peak.update = lambda: None  # noqa: E731 - overhead ratios only
@@ -161,6 +166,8 @@ def main() -> None:
         "10M (6L d320)": dict(n_layers=6, d_model=320, n_heads=10, n_kv_heads=5, ffn_hidden=1280),
         "25M (6L d512)": dict(),  # the bench25M preset itself
     }
+    if args.only_25m:
+        sizes.pop("10M (6L d320)")
     print(f"load average at start: {load()} (other jobs share this machine; times are the best of "
           f"{reps} interleaved steps, cpu_s = process CPU time / threads)")
     print("\nsize            family        backbone  +concept   step_s   cpu_s  tokens/s  achieved GFLOP/s  share_of_bf16_peak")
@@ -189,13 +196,15 @@ def main() -> None:
     counts = [] if args.no_sweep else [(500, 1500, None), (2000, 6000, None), (8000, 24000, None)]
     if not args.no_sweep:
         counts += [(33732, 101196, None), (33732, 101196, 2048)]  # the paper's library size
+    if args.paper_counts_only:
+        counts = [c for c in counts if c[0] == 33732]
     print(f"  load average: {load()}")
     print("  n_known  n_unknown  neg   concept_params  step_s  overhead(wall)  overhead(cpu)  flops_ratio")
     for n, m, neg in counts:
         base = Runner(ModelConfig.preset("bench25M", family="cdlm", max_seq_len=T), B, T, args.compile)
         con = Runner(ModelConfig.preset("bench25M", family="cdlm_concept", max_seq_len=T, n_known=n, n_unknown=m), B, T,
                      args.compile, negatives=neg)
-        measure([base, con], 1, 2 if (n > 10000 or args.quick) else reps)
+        measure([base, con], 1, min(reps, 2) if (n > 10000 or args.quick) else reps)
         fr = executed_flops_per_token(con.cfg, T, scored_known=None if neg is None else neg + 40) / \
             executed_flops_per_token(base.cfg, T) - 1
         print(f"  {n:7d} {m:10d} {str(neg or 'all'):>5s} {count_params(con.cfg)['concept'] / 1e6:13.1f}M {con.time_s():7.3f} "
