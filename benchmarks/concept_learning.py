@@ -23,7 +23,6 @@ Usage: python benchmarks/concept_learning.py [--budget-min 20] [--threads 2] [--
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
