@@ -15,6 +15,7 @@ depend on the text. Usage: python benchmarks/model_step.py [--quick] [--threads 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -55,21 +56,27 @@ class Peak:
         self.fp32 = max(self.fp32, matmul_peak(torch.float32, reps=5))
 
 
-def executed_flops_per_token(cfg: ModelConfig, T: int, masked: float = 0.5) -> float:
-    """Matmul FLOPs a CDLM training step really executes per token (x3 for fwd + bwd).
+def executed_flops_per_token(cfg: ModelConfig, T: int, masked: float = 0.5, scored_known: int | None = None) -> float:
+    """Matmul FLOPs a CDLM training step really executes per token (x3 for fwd + bwd,
+    x1 for forward-only work).
 
-    Backbone and attention on every token; the LM head, the unknown head (d->R->m), the
-    U basis and the top-k lookups only at masked positions (expected share 0.5 under
-    t ~ U(0, 1)); the known head on every token (the soft-OR concept loss needs it).
+    Backbone and attention on every token; everything after h only at the masked
+    positions (expected share 0.5 under t ~ U(0, 1)): the LM head; the known head over the
+    ``scored_known`` concepts the concept loss scores (all n by default) with backward; the
+    unknown projection d->R with backward; the unknown top-k scan R->m forward only (no
+    grad), then the k selected logits and the U basis with backward.
     """
     d, V = cfg.d_model, cfg.vocab_size
     p = count_params(cfg)
     f = 6.0 * p["backbone"] + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * attended_keys(cfg, T)
     f += 6.0 * masked * V * d
     if cfg.has_concepts:
-        R = cfg.unknown_rank
-        f += 6.0 * d * cfg.n_known
-        f += 6.0 * masked * (d * R + R * cfg.n_unknown + R * d + cfg.topk_known * d + cfg.topk_unknown * R)
+        R, ku, kk = cfg.unknown_rank, cfg.topk_unknown, cfg.topk_known
+        n_scored = cfg.n_known if scored_known is None else scored_known
+        f += 6.0 * masked * d * n_scored
+        if scored_known is not None:  # sparse known top-k: no-grad scan + gathered logits
+            f += 2.0 * masked * d * cfg.n_known + 6.0 * masked * kk * d
+        f += 6.0 * masked * (d * R + ku * R + R * d + kk * d + ku * R) + 2.0 * masked * R * cfg.n_unknown
     return f
 
 
@@ -85,13 +92,14 @@ def make_batch(cfg: ModelConfig, B: int, T: int, chunk_len: int, gen: torch.Gene
 class Runner:
     """One model + optimizer + fixed batches; ``step()`` times one full training step."""
 
-    def __init__(self, cfg: ModelConfig, B: int, T: int, compile_blocks: bool = False):
+    def __init__(self, cfg: ModelConfig, B: int, T: int, compile_blocks: bool = False, negatives: int | None = None):
         torch.manual_seed(0)
         self.cfg, self.model = cfg, Steerling(cfg)
         if compile_blocks:  # inductor fuses the elementwise ops (norms, RoPE, SwiGLU) on CPU
             for blk in self.model.blocks:
                 blk.compile()
-        self.tc = TrainConfig(steps=1000, batch_size=B, seq_len=T, chunk_len=64, warmup_steps=0, dtype="bf16")
+        self.tc = TrainConfig(steps=1000, batch_size=B, seq_len=T, chunk_len=64, warmup_steps=0, dtype="bf16",
+                              concept_negatives=negatives)
         self.opt = make_optimizer(self.model, self.tc)
         self.ac = autocast_factory("bf16")
         gen = torch.Generator().manual_seed(0)
@@ -125,26 +133,32 @@ def measure(runners: list[Runner], warmup: int, reps: int) -> None:
 
 
 def load() -> str:
-    try:
-        return Path("/proc/loadavg").read_text().split()[0]
-    except OSError:
-        return "?"
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions, skip the largest concept counts")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     ap.add_argument("--no-sweep", action="store_true", help="skip the concept-count sweep")
+    ap.add_argument("--only-25m", action="store_true", help="skip the 10M row")
+    ap.add_argument("--reps", type=int, default=None, help="timed steps per runner (overrides --quick)")
+    ap.add_argument("--paper-counts-only", action="store_true", help="sweep only the paper's 33,732 / 101,196")
+    ap.add_argument("--skip-peak", action="store_true", help="skip the matmul-peak measurement (FLOP shares print as n/a)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     B, T = args.batch, args.seq
     warmup, reps = (1, 3) if args.quick else (2, 6)
+    if args.reps:
+        reps = args.reps
     peak = Peak()
+    if args.skip_peak:
+        peak.update = lambda: None  # noqa: E731 - overhead ratios only
+        peak.bf16 = peak.fp32 = float("nan")
     peak.update()
     print(f"threads={torch.get_num_threads()}  batch={B}x{T} tokens/step={B * T}  compile={args.compile}")
 
@@ -152,6 +166,8 @@ def main() -> None:
         "10M (6L d320)": dict(n_layers=6, d_model=320, n_heads=10, n_kv_heads=5, ffn_hidden=1280),
         "25M (6L d512)": dict(),  # the bench25M preset itself
     }
+    if args.only_25m:
+        sizes.pop("10M (6L d320)")
     print(f"load average at start: {load()} (other jobs share this machine; times are the best of "
           f"{reps} interleaved steps, cpu_s = process CPU time / threads)")
     print("\nsize            family        backbone  +concept   step_s   cpu_s  tokens/s  achieved GFLOP/s  share_of_bf16_peak")
@@ -175,17 +191,24 @@ def main() -> None:
         del runners
 
     print("\nconcept-module overhead vs concept counts (25M backbone, top-k known/unknown 32/128, rank 256)")
-    counts = [] if args.no_sweep else [(500, 1500), (2000, 6000), (8000, 24000)]
-    if not args.quick and not args.no_sweep:
-        counts.append((33732, 101196))  # the paper's library size
-    print("  n_known  n_unknown  concept_params  step_s  overhead(wall)  overhead(cpu)")
-    for n, m in counts:
+    print("(neg=all: the concept loss scores every known concept; neg=N: positives + N sampled negatives,"
+          " TrainConfig.concept_negatives)")
+    counts = [] if args.no_sweep else [(500, 1500, None), (2000, 6000, None), (8000, 24000, None)]
+    if not args.no_sweep:
+        counts += [(33732, 101196, None), (33732, 101196, 2048)]  # the paper's library size
+    if args.paper_counts_only:
+        counts = [c for c in counts if c[0] == 33732]
+    print(f"  load average: {load()}")
+    print("  n_known  n_unknown  neg   concept_params  step_s  overhead(wall)  overhead(cpu)  flops_ratio")
+    for n, m, neg in counts:
         base = Runner(ModelConfig.preset("bench25M", family="cdlm", max_seq_len=T), B, T, args.compile)
         con = Runner(ModelConfig.preset("bench25M", family="cdlm_concept", max_seq_len=T, n_known=n, n_unknown=m), B, T,
-                     args.compile)
-        measure([base, con], 1, 2 if n > 10000 else reps)
-        print(f"  {n:7d} {m:10d} {count_params(con.cfg)['concept'] / 1e6:13.1f}M {con.time_s():7.3f} "
-              f"{con.time_s() / base.time_s() - 1:+14.1%} {min(con.cpu) / min(base.cpu) - 1:+13.1%}")
+                     args.compile, negatives=neg)
+        measure([base, con], 1, min(reps, 2) if (n > 10000 or args.quick) else reps)
+        fr = executed_flops_per_token(con.cfg, T, scored_known=None if neg is None else neg + 40) / \
+            executed_flops_per_token(base.cfg, T) - 1
+        print(f"  {n:7d} {m:10d} {str(neg or 'all'):>5s} {count_params(con.cfg)['concept'] / 1e6:13.1f}M {con.time_s():7.3f} "
+              f"{con.time_s() / base.time_s() - 1:+14.1%} {min(con.cpu) / min(base.cpu) - 1:+13.1%} {fr:+11.1%}", flush=True)
         del base, con
     peak.update()
     print(f"load average at end: {load()}")

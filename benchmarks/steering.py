@@ -71,7 +71,7 @@ def train_model(out: Path, steps: int, corpus: Path, d_model: int = 128, n_layer
                      eval_every=max(1, steps // 4), eval_batches=2, seed=0, val_fraction=0.1)
     res = train(mc, tc, str(corpus), out_dir=out, progress=True, device="cpu")
     log(f"trained: val_loss {res.final['val_loss']:.3f}, known-concept alignment hit@20 "
-        f"{res.final.get('known_concept_alignment_hit_at_20')}")
+        f"{res.final.get('concept_rank_hit_at_20')}")
     return Path(res.checkpoint)
 
 

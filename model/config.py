@@ -197,7 +197,15 @@ class TrainConfig(BaseModel):
     concept_weight: float = Field(1.0, ge=0)
     rec_weight: float = Field(1.0, ge=0)
     indep_weight: float = Field(1.0, ge=0)
-    concept_pos_weight: float = Field(1.0, gt=0)  # BCE weight on positive chunk labels
+    concept_pos_weight: float = Field(1.0, gt=0)  # weight of the positive-pair mean in the balanced concept loss
+    # Per-sequence eps-dropout (training only): the share of sequences whose residual eps is
+    # dropped, so their LM loss runs through k_hat + sg(u_hat) and trains the known head and K.
+    eps_dropout: float = Field(0.1, ge=0, lt=1)
+    # Bound on the known concepts scored by the concept loss per batch: None scores all n
+    # (one fused softplus pass over (positions, n)); an int scores the batch's positive
+    # concepts + that many sampled negatives (+ the active top-k), so the known head's
+    # backward is O(positions x (positives + negatives)) instead of O(positions x n).
+    concept_negatives: int | None = Field(None, ge=1)
 
     # Teacher forcing: k_hat = w * k_hat(labels) + (1 - w) * k_hat(predicted), with
     # w = tf_start for the first tf_hold_frac of steps, cosine to tf_final by tf_end_frac.

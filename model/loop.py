@@ -22,7 +22,7 @@ from model.corpus import PackedData, pack, read_documents, sections_of
 from model.flops import count_params, train_flops
 from model.io import save_pretrained
 from model.labels import StandInLabeller
-from model.metrics import evaluate, known_concept_alignment
+from model.metrics import concept_rank_alignment, evaluate
 from model.modeling import Steerling
 from model.objectives import compute_losses
 from model.tokenizer import train_tokenizer
@@ -225,9 +225,11 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, corpus, out_dir: str |
     if names is not None:
         names = names + [""] * (model_cfg.n_known - len(names))  # unused known slots
     if names is not None and any(names):
-        kca = known_concept_alignment(model, tokenizer, names)
-        final["known_concept_alignment"] = kca["proxy_score"]  # automatic proxy on the 1-5 scale
-        final["known_concept_alignment_hit_at_20"] = kca["hit_at_k"]
+        # The automatic rank proxy, chance-calibrated (0 = chance). It is NOT the paper's judged
+        # 1-5 Known Concept Alignment (metrics.known_concept_alignment needs a judge).
+        ra = concept_rank_alignment(model, tokenizer, names)
+        final["concept_rank_alignment"] = ra["rank_alignment"]
+        final["concept_rank_hit_at_20"] = ra["hit_at_k"]
     ckpt_dir = tcfg.checkpoint_dir or (str(Path(out_dir) / "checkpoint") if out_dir else None)
     if ckpt_dir:
         save_pretrained(model, ckpt_dir, tokenizer, names, metadata={"steps": total, "tokens": tokens})

@@ -4,13 +4,19 @@
 * Concept Independence Loss cross-covariance of k_hat and u_hat (lower is better).
 * Concept Contribution      (|known| + |unknown|) / (|known| + |unknown| + |eps|) on the
                             target-token logit at LM-loss positions (higher is better).
-* Known Concept Alignment   do the top tokens of W K_i match concept i's name: an
-                            automatic proxy on the paper's 1-5 scale, plus a judge hook.
+* Known Concept Alignment   the paper's metric: a judge (LLM or human) rates 1-5 how well
+                            the top tokens of W K_i fit concept i's name
+                            (``known_concept_alignment`` with a judge callable;
+                            ``engine_judge`` adapts an Atlas engine backend).
+* Concept rank alignment    NOT the paper's metric: an automatic, chance-calibrated rank
+                            proxy (``concept_rank_alignment``): 0 = chance, 1 = the name's
+                            token is the top token of W K_i.
 * Concept detection AUC     chunk-level soft-OR probability vs the chunk labels.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import numpy as np
@@ -56,7 +62,8 @@ def evaluate(model, batches: Sequence[dict], tcfg, seed: int = 1234, autocast=No
     """
     was_training = model.training
     model.eval()
-    gen = torch.Generator().manual_seed(seed)
+    device = batches[0]["input_ids"].device if batches else torch.device("cpu")
+    gen = torch.Generator(device=device).manual_seed(seed)  # CUDA sampling needs a CUDA generator
     lm, closs, indep, contrib, S_all, L_all = [], [], [], [], [], []
     for batch in batches:
         ctx = autocast() if autocast is not None else _null()
@@ -69,8 +76,9 @@ def evaluate(model, batches: Sequence[dict], tcfg, seed: int = 1234, autocast=No
             contrib.append(concept_contribution(co, model.lm_weight, out["targets"]))
             if "concept_loss" in out:
                 closs.append(float(out["concept_loss"]))
-                S_all.append(out["chunk_S"].float())
-                L_all.append(batch["chunk_labels"])
+                valid = out["chunk_valid"]  # chunks with no scored position carry no evidence
+                S_all.append(out["chunk_S"].float()[valid])
+                L_all.append(batch["chunk_labels"][valid])
     model.train(was_training)
     res = {"val_loss": float(np.mean(lm))}
     if contrib:
@@ -108,38 +116,114 @@ def _name_token_ids(tokenizer, name: str) -> set[int]:
     return ids
 
 
-@torch.no_grad()
-def known_concept_alignment(model, tokenizer, concept_names: Sequence[str], top_k: int = 20,
-                            judge: Callable[[str, list[str]], float] | None = None,
-                            concepts: Sequence[int] | None = None) -> dict:
-    """Known Concept Alignment.
+def chance_best_rank_quantile(V: int, j: int) -> float:
+    """E[1 - r / (V - 1)] when r is the best (0-based) rank of j tokens in a random order of
+    V: E[r] = (V - j) / (j + 1)."""
+    return 1.0 - (V - j) / ((j + 1) * (V - 1))
 
-    Proxy (automatic): for concept i, r_i = best rank of any first sub-token of i's name
-    (with/without leading space or capital) in the scores W K_i; percentile
-    q_i = 1 - r_i / V; reported on the paper's 1-5 scale as 1 + 4 q_i, plus hit@top_k.
-    Judge hook: ``judge(name, top_tokens) -> rating in [1, 5]`` (an LLM or a human); its
-    mean is reported as ``judge_mean`` when given.
+
+def calibrate(q: float, q_chance: float) -> float:
+    """(q - q_chance) / (1 - q_chance): 0 at chance, 1 at perfect, negative below chance."""
+    return (q - q_chance) / (1.0 - q_chance) if q_chance < 1 else float("nan")
+
+
+@torch.no_grad()
+def concept_rank_alignment(model, tokenizer, concept_names: Sequence[str], top_k: int = 20,
+                           concepts: Sequence[int] | None = None) -> dict:
+    """Automatic rank proxy for alignment — NOT the paper's judged Known Concept Alignment.
+
+    For concept i, r_i = best rank of any first sub-token of i's name (with/without
+    leading space or capital) in the scores W K_i; quantile q_i = 1 - r_i / (V - 1).
+    Reported calibrated against chance, (q - q_chance) / (1 - q_chance), so 0 means "no
+    better than a random direction" (a raw quantile of a random direction is ~0.5, which
+    on a 1-5 rescale would read as a respectable 3). hit@top_k is reported beside its
+    chance rate.
     """
     scores = model.concept.known_emb.float() @ model.lm_weight.float().t()  # (n, V)
     V = scores.shape[1]
     idx = list(concepts) if concepts is not None else [i for i, n in enumerate(concept_names) if n]
     order = scores.argsort(dim=-1, descending=True)
-    rank_of = torch.empty_like(order)
-    proxy, hits, ratings, tops = [], [], [], {}
+    q, q0, hits, hits0 = [], [], [], []
     for i in idx:
-        name = concept_names[i]
-        rank_of[i, order[i]] = torch.arange(V)
-        ids = _name_token_ids(tokenizer, name)
-        r = min(int(rank_of[i, t]) for t in ids) if ids else V - 1
-        q = 1.0 - r / (V - 1)
-        proxy.append(1.0 + 4.0 * q)
+        rank_of = torch.empty(V, dtype=torch.long)
+        rank_of[order[i]] = torch.arange(V)
+        ids = _name_token_ids(tokenizer, concept_names[i])
+        if not ids:
+            continue
+        r = min(int(rank_of[t]) for t in ids)
+        q.append(1.0 - r / (V - 1))
+        q0.append(chance_best_rank_quantile(V, len(ids)))
         hits.append(float(r < top_k))
-        top = [tokenizer.decode([int(t)]) for t in order[i, :top_k]]
-        tops[name] = top
-        if judge is not None:
-            ratings.append(float(judge(name, top)))
-    res = {"proxy_score": float(np.mean(proxy)) if proxy else float("nan"),
-           "hit_at_k": float(np.mean(hits)) if hits else float("nan"), "top_tokens": tops}
-    if judge is not None:
-        res["judge_mean"] = float(np.mean(ratings)) if ratings else float("nan")
-    return res
+        hits0.append(1.0 - math.comb(V - len(ids), top_k) / math.comb(V, top_k))
+    if not q:
+        return {"rank_alignment": float("nan"), "quantile": float("nan"), "quantile_chance": float("nan"),
+                "hit_at_k": float("nan"), "hit_at_k_chance": float("nan"), "n": 0}
+    qm, q0m = float(np.mean(q)), float(np.mean(q0))
+    return {"rank_alignment": calibrate(qm, q0m), "quantile": qm, "quantile_chance": q0m,
+            "hit_at_k": float(np.mean(hits)), "hit_at_k_chance": float(np.mean(hits0)), "n": len(q)}
+
+
+def _judge_all(judge, items: list[tuple[str, list[str]]]) -> list[float]:
+    many = getattr(judge, "many", None)
+    return [float(r) for r in many(items)] if many is not None else [float(judge(n, t)) for n, t in items]
+
+
+@torch.no_grad()
+def known_concept_alignment(model, tokenizer, concept_names: Sequence[str],
+                            judge: Callable[[str, list[str]], float], top_k: int = 20,
+                            concepts: Sequence[int] | None = None) -> dict:
+    """Known Concept Alignment as the paper defines it: a judge rates, 1-5, how well the
+    ``top_k`` tokens of W K_i fit concept i's name; the mean rating is the metric.
+
+    ``judge(name, top_tokens) -> rating`` is an LLM or a human; a judge with a
+    ``many(items)`` method is called once for all concepts (``engine_judge`` does that).
+    Returns ``{"known_concept_alignment": mean, "ratings": {...}, "top_tokens": {...}}``.
+    """
+    if judge is None:
+        raise ValueError("known_concept_alignment needs a judge; concept_rank_alignment is the automatic proxy")
+    tops_ids = concept_top_tokens(model, top_k)
+    idx = list(concepts) if concepts is not None else [i for i, n in enumerate(concept_names) if n]
+    items = [(concept_names[i], [tokenizer.decode([int(t)]) for t in tops_ids[i]]) for i in idx]
+    ratings = _judge_all(judge, items)
+    for (name, _), r in zip(items, ratings):
+        if not 1.0 <= r <= 5.0:
+            raise ValueError(f"judge rating {r} for concept {name!r} is outside [1, 5]")
+    return {"known_concept_alignment": float(np.mean(ratings)) if ratings else float("nan"),
+            "ratings": {n: r for (n, _), r in zip(items, ratings)}, "top_tokens": dict(items)}
+
+
+JUDGE_PROMPT = (
+    "A language model has a direction for the concept \"{name}\". The words it pushes up most are:\n"
+    "{tokens}\n"
+    "How well do these words fit the concept? Rate from 1 (unrelated) to 5 (clearly the concept).\n"
+    "Answer with one digit.\nRating:"
+)
+
+
+class engine_judge:
+    """Judge callable over an Atlas engine backend (``atlas.engine.make_backend``): one
+    constrained generation per concept (choice of "1".."5"), batched by ``many``.
+
+    ``template`` renders a chat prompt for instruct models (``Engine.chat_template``)."""
+
+    def __init__(self, backend, template: Callable[[list[dict]], str] | None = None):
+        from atlas.engine import Sampling
+
+        self.backend, self.template = backend, template
+        self.sampling = Sampling(max_tokens=2, temperature=0.0, choice=("1", "2", "3", "4", "5"))
+
+    def _prompt(self, name: str, top: list[str]) -> str:
+        text = JUDGE_PROMPT.format(name=name, tokens=", ".join(repr(t.strip()) for t in top))
+        return self.template([{"role": "user", "content": text}]) if self.template else text
+
+    def many(self, items: list[tuple[str, list[str]]]) -> list[float]:
+        results = self.backend.generate([self._prompt(n, t) for n, t in items], self.sampling)
+        out = []
+        for (name, _), r in zip(items, results):
+            if r.error or not r.text or not r.text.strip()[:1].isdigit():
+                raise RuntimeError(f"judge failed for concept {name!r}: {r.error or repr(r.text)}")
+            out.append(float(r.text.strip()[0]))
+        return out
+
+    def __call__(self, name: str, top: list[str]) -> float:
+        return self.many([(name, top)])[0]

@@ -134,7 +134,7 @@ class Block(nn.Module):
 class ConceptOutput:
     """Concept-module results for N selected positions (flattened)."""
 
-    known_logits: torch.Tensor  # (N, n) clamped logits of the known head (dense)
+    known_logits: torch.Tensor | None  # (N, n) clamped dense known logits, when computed densely
     known_idx: torch.Tensor  # (N, k_known) active known concepts
     known_w: torch.Tensor  # (N, k_known) their sigmoid activations
     unknown_idx: torch.Tensor  # (N, k_unknown)
@@ -142,14 +142,62 @@ class ConceptOutput:
     k_hat: torch.Tensor  # (N, d) known contribution actually composed (may be teacher-forced)
     k_hat_pred: torch.Tensor  # (N, d) known contribution from the predicted activations
     u_hat: torch.Tensor  # (N, d)
-    eps: torch.Tensor  # (N, d) residual h - k_hat - u_hat
-    h_bar: torch.Tensor  # (N, d) k_hat + u_hat + eps, numerically equal to h
+    eps: torch.Tensor  # (N, d) residual h - k_hat - u_hat (zero where eps-dropout dropped it)
+    h_bar: torch.Tensor  # (N, d) k_hat + u_hat + eps, numerically equal to h unless eps was dropped
+
+
+def _topk_rows(x: torch.Tensor, head_w: torch.Tensor, head_b: torch.Tensor | None, k: int,
+               chunk: int) -> torch.Tensor:
+    """Indices (N, k) of the k largest of ``x @ head_w.T + head_b`` without keeping an (N, m)
+    logit matrix alive for backward: the scan runs without autograd, over column chunks of
+    ``chunk`` concepts, merging a running top-k (memory O(N * (k + chunk)))."""
+    m = head_w.shape[0]
+    with torch.no_grad():
+        if m <= chunk:
+            z = x @ head_w.t().to(x.dtype)
+            if head_b is not None:
+                z = z + head_b.to(z.dtype)
+            return z.topk(k, dim=-1).indices
+        best_v = best_i = None
+        for s in range(0, m, chunk):
+            z = x @ head_w[s:s + chunk].t().to(x.dtype)
+            if head_b is not None:
+                z = z + head_b[s:s + chunk].to(z.dtype)
+            v, i = z.topk(min(k, z.shape[1]), dim=-1)
+            i = i + s
+            if best_v is None:
+                best_v, best_i = v, i
+            else:
+                v, sel = torch.cat([best_v, v], 1).topk(k, dim=-1)
+                best_v, best_i = v, torch.cat([best_i, i], 1).gather(1, sel)
+        return best_i
+
+
+def _gathered_logits(x: torch.Tensor, head_w: torch.Tensor, head_b: torch.Tensor | None,
+                     idx: torch.Tensor) -> torch.Tensor:
+    """Differentiable logits of the selected concepts only: (N, k) = <x_n, W[idx_nk]> + b."""
+    w = F.embedding(idx, head_w).to(x.dtype)  # (N, k, in)
+    z = torch.einsum("nki,ni->nk", w, x)
+    if head_b is not None:
+        z = z + F.embedding(idx, head_b[:, None]).squeeze(-1).to(z.dtype)
+    return z
 
 
 class ConceptModule(nn.Module):
     """Known head f (d -> n) + n embeddings K; unknown head g factorised d -> R -> m, and m
     embeddings factorised U = coef (m x R) @ basis (R x d). With both unknown parts at rank
-    R the parameter count matches the paper's Table 24 "+Concept" totals (e.g. 5B: +313M)."""
+    R the parameter count matches the paper's Table 24 "+Concept" totals (e.g. 5B: +313M).
+
+    Gradient routing (the public reference's; see model/README.md):
+    * LM path  h_bar = k_hat + sg(u_hat) + eps,  eps = h - k_hat - sg(u_hat): h_bar == h, so
+      the backbone gets exactly the LM gradient and the concept parameters get none from it,
+      except on sequences whose eps is dropped (``eps_keep`` = 0, per-sequence eps-dropout),
+      where h_bar = k_hat + sg(u_hat) and the LM loss trains the known head and K.
+    * the unknown head reads sg(h); it is trained by the reconstruction loss only.
+    """
+
+    # concepts per chunk in the no-grad top-k scan (bounds the (N, chunk) temporary)
+    topk_chunk = 8192
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -166,6 +214,15 @@ class ConceptModule(nn.Module):
         c = self.cfg.concept_logit_clamp
         return self.known_head(h).clamp(-c, c)
 
+    def known_logits_at(self, h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Clamped known logits (N, k) of the concepts ``idx`` (N, k) only (gather-based)."""
+        c = self.cfg.concept_logit_clamp
+        return _gathered_logits(h, self.known_head.weight, self.known_head.bias, idx).clamp(-c, c)
+
+    def known_topk(self, h: torch.Tensor) -> torch.Tensor:
+        """Indices (N, k_known) of the active known concepts (no (N, n) tensor kept)."""
+        return _topk_rows(h, self.known_head.weight, self.known_head.bias, self.cfg.topk_known, self.topk_chunk)
+
     def unknown_embeddings(self) -> torch.Tensor:
         """Dense U (m x d); only for analysis, training never materialises it."""
         return self.unknown_coef @ self.unknown_basis
@@ -174,39 +231,46 @@ class ConceptModule(nn.Module):
         """k_hat for multi-hot labels (..., n): sum of the labelled concepts' embeddings."""
         return labels.to(self.known_emb.dtype) @ self.known_emb
 
-    @staticmethod
-    def _topk_sigmoid(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # sigmoid is monotone, so top-k on the logits picks the same concepts
-        val, idx = logits.topk(k, dim=-1)
-        return idx, torch.sigmoid(val.float())
+    def unknown_part(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(idx, w, u_hat) of the unknown head on sg(h). Top-k is found by a chunked no-grad
+        scan; only the k selected logits are recomputed with autograd (gather-based), so
+        backward never touches the (N, m) logits."""
+        cfg = self.cfg
+        p = self.unknown_proj(h.detach())  # (N, R)
+        u_idx = _topk_rows(p, self.unknown_head.weight, self.unknown_head.bias, cfg.topk_unknown, self.topk_chunk)
+        c = cfg.concept_logit_clamp
+        u_w = torch.sigmoid(_gathered_logits(p, self.unknown_head.weight, self.unknown_head.bias, u_idx)
+                            .float().clamp(-c, c))
+        u_low = F.embedding_bag(u_idx, self.unknown_coef, per_sample_weights=u_w.to(self.unknown_coef.dtype),
+                                mode="sum")
+        return u_idx, u_w, (u_low @ self.unknown_basis).to(h.dtype)
 
     def forward(self, h: torch.Tensor, known_logits: torch.Tensor | None = None,
-                k_hat_teacher: torch.Tensor | None = None, teacher_weight: float = 0.0) -> ConceptOutput:
+                k_hat_teacher: torch.Tensor | None = None, teacher_weight: float = 0.0,
+                eps_keep: torch.Tensor | None = None) -> ConceptOutput:
+        """h (N, d). ``known_logits`` (N, n) may be passed when the caller already has the
+        dense logits; otherwise top-k runs sparsely. ``eps_keep`` (N,) in {0, 1}: 0 drops
+        the residual at that position (training-time eps-dropout)."""
         cfg = self.cfg
-        if known_logits is None:
-            known_logits = self.known_logits(h)
-        k_idx, k_w = self._topk_sigmoid(known_logits, cfg.topk_known)
+        if known_logits is not None:
+            k_idx = known_logits.topk(cfg.topk_known, dim=-1).indices
+            k_w = torch.sigmoid(known_logits.gather(1, k_idx).float())
+        else:
+            k_idx = self.known_topk(h)
+            k_w = torch.sigmoid(self.known_logits_at(h, k_idx).float())
         # weighted row sums without a dense (N, n) activation matrix
         k_hat_pred = F.embedding_bag(k_idx, self.known_emb, per_sample_weights=k_w.to(self.known_emb.dtype),
                                      mode="sum")
         k_hat = k_hat_pred
         if k_hat_teacher is not None and teacher_weight > 0:
             k_hat = teacher_weight * k_hat_teacher.to(k_hat_pred.dtype) + (1 - teacher_weight) * k_hat_pred
-        # The unknown head explains what the known part leaves; it must not steer the backbone.
-        # clamp is monotone, so clamping only the k selected logits equals top-k of the
-        # clamped logits and saves two dense passes over the (N, m) unknown logits
-        c = cfg.concept_logit_clamp
-        u_val, u_idx = self.unknown_head(self.unknown_proj(h.detach())).topk(cfg.topk_unknown, dim=-1)
-        u_w = torch.sigmoid(u_val.float().clamp(-c, c))
-        u_low = F.embedding_bag(u_idx, self.unknown_coef, per_sample_weights=u_w.to(self.unknown_coef.dtype),
-                                mode="sum")
-        u_hat = u_low @ self.unknown_basis
+        u_idx, u_w, u_hat = self.unknown_part(h)
         k_hat = k_hat.to(h.dtype)
-        u_hat = u_hat.to(h.dtype)
-        # eps uses detached contributions: h_bar == h numerically while the LM loss still
-        # sends gradient into k_hat and u_hat (straight through the composition).
-        eps = h - (k_hat + u_hat).detach()
-        h_bar = k_hat + u_hat + eps
+        u_sg = u_hat.detach()  # the unknown part never carries LM gradient
+        eps = h - k_hat - u_sg
+        if eps_keep is not None:
+            eps = eps * eps_keep.to(eps.dtype)[:, None]
+        h_bar = k_hat + u_sg + eps
         return ConceptOutput(known_logits, k_idx, k_w, u_idx, u_w, k_hat, k_hat_pred.to(h.dtype), u_hat, eps, h_bar)
 
 

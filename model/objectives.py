@@ -60,27 +60,59 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 # ----------------------------------------------------------------------------- concepts
-def chunk_log_not(known_logits: torch.Tensor, chunk_ids: torch.Tensor, n_chunks: int) -> torch.Tensor:
+def chunk_log_not(known_logits: torch.Tensor, chunk_ids: torch.Tensor, n_chunks: int,
+                  normalize: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """S (C, n) = -log prod_t (1 - k_t) over each chunk's positions (soft-OR, log space).
 
     log(1 - sigmoid(z)) = -softplus(z), so the product over a span is a sum of softplus —
     exact and stable for long spans. p(chunk has concept) = 1 - exp(-S).
+    ``known_logits`` (..., n) and ``chunk_ids`` (...) cover the same positions (-1 = none).
+    With ``normalize`` the sum is divided by sqrt(#positions of the chunk) (length
+    normalisation: long or heavily-masked spans do not saturate p) and (S, count) returns.
     """
     flat_ids = chunk_ids.reshape(-1)
     z = known_logits.reshape(flat_ids.shape[0], -1).float()
     S = torch.zeros(n_chunks, z.shape[1], device=z.device, dtype=z.dtype)
     keep = flat_ids >= 0
-    if bool(keep.all()):  # the usual packed batch: skip the boolean-index copies
-        return S.index_add(0, flat_ids, F.softplus(z))
-    return S.index_add(0, flat_ids[keep], F.softplus(z[keep]))
+    if not bool(keep.all()):
+        flat_ids, z = flat_ids[keep], z[keep]
+    S = S.index_add(0, flat_ids, F.softplus(z))
+    if not normalize:
+        return S
+    count = torch.zeros(n_chunks, device=z.device, dtype=z.dtype).index_add(0, flat_ids, torch.ones_like(flat_ids, dtype=z.dtype))
+    return S / count.clamp_min(1.0).sqrt()[:, None], count
 
 
 def soft_or_bce(S: torch.Tensor, labels: torch.Tensor, pos_weight: float = 1.0) -> torch.Tensor:
-    """BCE of p = 1 - exp(-S) against chunk labels, mean over (chunk, concept)."""
+    """Plain BCE of p = 1 - exp(-S) against chunk labels, mean over (chunk, concept).
+
+    Kept for reference and tests: with sparse labels its minimum is near "nothing is
+    present", which is why training uses ``balanced_soft_or_loss``."""
     labels = labels.to(S.dtype)
     neg = S  # -log(1 - p)
     pos = -torch.log(-torch.expm1(-S.clamp_min(1e-6)))  # -log p
     return (pos_weight * labels * pos + (1 - labels) * neg).mean()
+
+
+def balanced_soft_or_loss(S: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor | None = None,
+                          pos_weight: float = 1.0) -> torch.Tensor:
+    """Concept loss that predicting "absent everywhere" cannot win.
+
+    mean over positive (chunk, concept) pairs of -log p  +  mean over negative pairs of
+    -log(1 - p): each class contributes on its own scale, however sparse the labels (with
+    2% positives a plain mean is 98% negatives). ``valid`` (C,) drops chunks with no
+    scored position (e.g. no masked token in a CDLM chunk)."""
+    y = labels.to(S.dtype) > 0.5
+    if valid is not None:
+        y_v = y & valid[:, None]
+        n_v = (~y) & valid[:, None]
+    else:
+        y_v, n_v = y, ~y
+    pos = -torch.log(-torch.expm1(-S.clamp_min(1e-6)))  # -log p
+    n_pos, n_neg = y_v.sum(), n_v.sum()
+    pos_term = (pos * y_v).sum() / n_pos.clamp_min(1)
+    neg_term = (S * n_v).sum() / n_neg.clamp_min(1)
+    return pos_weight * pos_term + neg_term
 
 
 def soft_or_probs(S: torch.Tensor) -> torch.Tensor:
@@ -88,24 +120,50 @@ def soft_or_probs(S: torch.Tensor) -> torch.Tensor:
 
 
 def independence_loss(k_hat: torch.Tensor, u_hat: torch.Tensor) -> torch.Tensor:
-    """||Cov(k_hat, u_hat)||_F^2 / d^2 over N positions (k_hat detached by the caller).
+    """||kc^T uc||_F^2 / (d^2 (N - 1)) over N positions (k_hat detached by the caller), with
+    kc, uc the centred contributions: the normalisation the public re-implementation uses,
+    so values are on the paper's scale (Table 5: 1.546 at 8B).
 
     Penalises linear predictability between the known and unknown contributions, so the
     unknown head cannot simply copy (or cancel) what the known head carries.
     """
     N, d = k_hat.shape
     if N < 2:
-        return k_hat.new_zeros(())
+        return k_hat.new_zeros((), dtype=torch.float32)
     kc = k_hat - k_hat.mean(0)
     uc = u_hat - u_hat.mean(0)
-    cov = (kc.t() @ uc).float() / (N - 1)  # the (d x d) product runs in the autocast dtype
-    return cov.pow(2).sum() / (d * d)
+    cross = (kc.t() @ uc).float()  # (d x d); the product runs in the autocast dtype
+    return cross.pow(2).sum() / (d * d * (N - 1))
 
 
 def reconstruction_loss(u_hat: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """MSE(u_hat, h - k_hat) with the target detached: equals mean ||eps||^2 / d, so it is
-    the coverage term that keeps the residual from absorbing the prediction."""
-    return F.mse_loss(u_hat.float(), target.detach().float())
+    """MSE(u_hat, target) with target = h - sg(k_hat): h stays attached, so the coverage
+    term also pulls the backbone's h toward what the concept parts reconstruct, while the
+    unknown head (which reads sg(h)) learns to reconstruct it. Equals mean ||eps||^2 / d
+    when eps is not dropped."""
+    return F.mse_loss(u_hat.float(), target.float())
+
+
+def eps_keep_mask(B: int, p: float, generator=None, device=None) -> torch.Tensor | None:
+    """Per-sequence eps-dropout: 1 keeps the residual, 0 drops it for the whole sequence
+    (all-or-nothing per sequence, so the concept parts must carry those sequences alone)."""
+    if p <= 0:
+        return None
+    return (torch.rand(B, generator=generator, device=device) >= p).float()
+
+
+def concept_candidates(labels: torch.Tensor, n_neg: int, generator=None) -> torch.Tensor:
+    """Known concepts scored by a bounded concept loss: every concept positive somewhere in
+    the batch, plus ``n_neg`` uniformly sampled others. The negative term is a mean over
+    negative pairs, so a uniform sample estimates it without bias."""
+    n = labels.shape[1]
+    pos = (labels > 0.5).any(0)
+    pos_idx = pos.nonzero().squeeze(1)
+    neg_pool = (~pos).nonzero().squeeze(1)
+    if neg_pool.numel() > n_neg:
+        pick = torch.randperm(neg_pool.numel(), generator=generator, device=labels.device)[:n_neg]
+        neg_pool = neg_pool[pick]
+    return torch.cat([pos_idx, neg_pool]).sort().values
 
 
 # ----------------------------------------------------------------------------- all losses
@@ -116,6 +174,8 @@ def compute_losses(model, batch: dict, tcfg: TrainConfig, step: int = 0, total_s
     total ``loss`` and detached parts. No backward, no optimizer: usable by any trainer.
 
     ``teacher_weight`` overrides the schedule (eval passes 0: the model's own concepts).
+    eps-dropout is applied only in training mode (``model.training``). ``generator`` must
+    live on the batch's device (or be None).
     """
     cfg: ModelConfig = model.cfg
     idx = batch["input_ids"]
@@ -130,34 +190,52 @@ def compute_losses(model, batch: dict, tcfg: TrainConfig, step: int = 0, total_s
         sel[:, :-1] = True
         targets = idx[:, 1:].reshape(-1)
     h = model.hidden(x_in)
-    hs = h[sel]  # (M, d) positions that carry the LM loss
+    hs = h[sel]  # (M, d) positions that carry the LM loss (CDLM: the masked positions)
     out: dict = {}
     total = h.new_zeros((), dtype=torch.float32)
     co = None
     if cfg.has_concepts:
         cm = model.concept
-        known_all = cm.known_logits(h)  # (B, T, n) dense: the concept loss needs every position
+        # Known logits at the LM positions only (CDLM: soft-OR over masked positions).
+        labels = batch.get("chunk_labels")
+        cand = None
+        n_neg = getattr(tcfg, "concept_negatives", None)
+        if n_neg is not None and model.training and labels is not None and n_neg < cfg.n_known:  # eval scores all
+            cand = concept_candidates(labels, n_neg, generator)
+            c = cfg.concept_logit_clamp
+            known_sel = (hs @ cm.known_head.weight[cand].t().to(hs.dtype)
+                         + cm.known_head.bias[cand].to(hs.dtype)).clamp(-c, c)  # (M, |cand|)
+        else:
+            known_sel = cm.known_logits(hs)  # (M, n): every concept gets a concept-loss gradient
         w = tcfg.teacher_forcing(step, total_steps) if teacher_weight is None else teacher_weight
         k_teacher = None
         chunk_ids = batch.get("chunk_ids")
-        labels = batch.get("chunk_labels")
+        ids = chunk_ids[sel] if chunk_ids is not None else None
         if labels is not None and w > 0:
             per_chunk = cm.known_from_labels(labels)  # (C, d)
-            ids = chunk_ids[sel]
             k_teacher = torch.where((ids >= 0)[:, None], per_chunk[ids.clamp_min(0)], torch.zeros_like(per_chunk[:1]))
-        co = cm(hs, known_logits=known_all[sel], k_hat_teacher=k_teacher, teacher_weight=w)
-        rec = reconstruction_loss(co.u_hat, hs - co.k_hat)  # target h - k_hat (detached)
-        hs = co.h_bar
+        keep = None
+        p_eps = getattr(tcfg, "eps_dropout", 0.0)
+        if model.training and p_eps > 0:
+            seq_keep = eps_keep_mask(B, p_eps, generator, idx.device)
+            keep = seq_keep[:, None].expand(B, T)[sel]
+            out["eps_dropped_frac"] = float(1 - seq_keep.mean())
+        co = cm(hs, known_logits=known_sel if cand is None else None, k_hat_teacher=k_teacher, teacher_weight=w,
+                eps_keep=keep)
+        rec = reconstruction_loss(co.u_hat, hs - co.k_hat.detach())
         indep = independence_loss(co.k_hat.detach(), co.u_hat)
         total = total + tcfg.rec_weight * rec + tcfg.indep_weight * indep
         out.update(rec_loss=rec.detach(), concept_independence_loss=indep.detach(), teacher_weight=float(w))
+        hs = co.h_bar
         if labels is not None:
-            S = chunk_log_not(known_all, chunk_ids, labels.shape[0])
-            closs = soft_or_bce(S, labels, tcfg.concept_pos_weight)
+            S, count = chunk_log_not(known_sel, ids, labels.shape[0], normalize=True)
+            closs = balanced_soft_or_loss(S, labels if cand is None else labels[:, cand], count > 0,
+                                          tcfg.concept_pos_weight)
             total = total + tcfg.concept_weight * closs
             out["concept_loss"] = closs.detach()
             if return_parts:
                 out["chunk_S"] = S.detach()
+                out["chunk_valid"] = count > 0
     logits = model.lm_logits(hs)
     if cfg.is_diffusion:
         lm = masked_diffusion_loss(logits, targets, t_sel, B * T)

@@ -6,7 +6,9 @@ import torch
 from model.config import MASK_ID, SPECIAL_TOKENS, ModelConfig
 from model.io import load_pretrained, save_pretrained
 from model.labels import StandInLabeller
-from model.metrics import auc, concept_detection_auc, known_concept_alignment
+import numpy as np
+
+from model.metrics import auc, calibrate, concept_detection_auc, concept_rank_alignment, known_concept_alignment
 from model.modeling import Steerling
 from model.sampling import commit_schedule, generate
 
@@ -89,19 +91,29 @@ def test_auc():
     assert r["micro"] == 1.0 and r["macro"] == 1.0
 
 
-def test_known_concept_alignment_proxy(tokenizer):
+def test_rank_alignment_is_calibrated_and_judged_alignment_needs_a_judge(tokenizer):
     torch.manual_seed(0)
     model = Steerling(ModelConfig.preset("tiny", family="cdlm_concept", vocab_size=512, n_known=4, topk_known=2))
     names = ["the", "of", "and", "in"]
-    rand = known_concept_alignment(model, tokenizer, names)
+    with pytest.raises(ValueError, match="judge"):
+        known_concept_alignment(model, tokenizer, names, judge=None)
+    # chance: a random direction's rank quantile averages q_chance; calibrated ~0 over many
+    rand = [concept_rank_alignment(Steerling(ModelConfig.preset("tiny", family="cdlm_concept", vocab_size=512,
+                                                                  n_known=4, topk_known=2)), tokenizer, names)
+            for _ in range(15)]
+    assert abs(np.mean([r["rank_alignment"] for r in rand])) < 0.2
+    assert 0.5 <= rand[0]["quantile_chance"] < 1
     with torch.no_grad():  # point each K_i at its name's token: alignment should be perfect
         for i, n in enumerate(names):
             model.concept.known_emb[i] = model.lm_weight[tokenizer.encode(" " + n).ids[0]] * 10
-    good = known_concept_alignment(model, tokenizer, names, judge=lambda name, top: 5.0 if name in "".join(top) else 1.0)
-    assert good["hit_at_k"] == 1.0 and good["proxy_score"] == pytest.approx(5.0)
-    assert good["proxy_score"] > rand["proxy_score"]
-    assert good["judge_mean"] == 5.0
-    assert len(good["top_tokens"]["the"]) == 20
+    good = concept_rank_alignment(model, tokenizer, names)
+    assert good["rank_alignment"] == pytest.approx(1.0) and good["hit_at_k"] == 1.0
+    assert good["hit_at_k_chance"] < 0.2
+    judged = known_concept_alignment(model, tokenizer, names,
+                                     judge=lambda name, top: 5.0 if name in "".join(top) else 1.0)
+    assert judged["known_concept_alignment"] == 5.0
+    assert len(judged["top_tokens"]["the"]) == 20
+    assert calibrate(0.75, 0.5) == pytest.approx(0.5)
 
 
 def test_stand_in_labeller():

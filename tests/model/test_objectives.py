@@ -112,3 +112,57 @@ def test_concept_losses_present_and_teacher_forcing_changes_k_hat():
     # teacher-forced k_hat is the sum of the labelled concepts' embeddings
     lab = batch["chunk_labels"][0] @ model.concept.known_emb
     assert torch.allclose(a["concept_out"].k_hat[0], lab, atol=1e-5)  # seed 0: first masked position is in chunk 0
+
+
+def test_balanced_concept_loss_cannot_be_won_by_predicting_nothing():
+    from model.objectives import balanced_soft_or_loss
+    labels = torch.zeros(50, 40)
+    labels[torch.arange(50), torch.arange(50) % 40] = 1  # 2.5% positives
+    S_nothing = torch.full((50, 40), 1e-4)  # p ~ 0 everywhere
+    S_right = torch.where(labels > 0, torch.tensor(5.0), torch.tensor(1e-3))
+    plain_nothing = soft_or_bce(S_nothing, labels).item()
+    assert plain_nothing < 0.3  # the plain mean barely punishes "nothing is present"
+    assert balanced_soft_or_loss(S_nothing, labels).item() > 9  # -log(1e-4) on the positive half
+    assert balanced_soft_or_loss(S_right, labels).item() < 0.02
+    # chunks without scored positions are ignored
+    valid = torch.ones(50, dtype=torch.bool)
+    valid[0] = False
+    S_bad0 = S_right.clone()
+    S_bad0[0] = 1e-4
+    assert balanced_soft_or_loss(S_bad0, labels, valid).item() == pytest.approx(
+        balanced_soft_or_loss(S_right, labels, valid).item(), rel=1e-6)
+
+
+def test_soft_or_length_normalisation():
+    z = torch.full((1, 8, 2), -1.0)
+    ids = torch.tensor([[0, 0, 0, 0, 1, 1, -1, -1]])
+    S, count = chunk_log_not(z, ids, 2, normalize=True)
+    sp = F.softplus(torch.tensor(-1.0))
+    assert count.tolist() == [4.0, 2.0]
+    assert torch.allclose(S[0], 4 * sp / 2) and torch.allclose(S[1], 2 * sp / math.sqrt(2))
+
+
+def test_independence_normalised_by_d2_n_minus_1():
+    torch.manual_seed(0)
+    k, u = torch.randn(100, 4), torch.randn(100, 4)
+    kc, uc = k - k.mean(0), u - u.mean(0)
+    assert independence_loss(k, u).item() == pytest.approx(((kc.t() @ uc) ** 2).sum().item() / (16 * 99), rel=1e-5)
+
+
+def test_bounded_negatives_score_positives_and_a_sample():
+    from model.objectives import concept_candidates
+    torch.manual_seed(0)
+    model = Steerling(ModelConfig.preset("tiny", family="cdlm_concept", n_known=64)).train()
+    B, T = 2, 64
+    labels = torch.zeros(B * 2, 64)
+    labels[0, 3] = labels[2, 40] = 1
+    cand = concept_candidates(labels, 5, torch.Generator().manual_seed(0))
+    assert {3, 40} <= set(cand.tolist()) and len(cand) == 7
+    batch = {"input_ids": torch.randint(5, 1000, (B, T)),
+             "chunk_ids": torch.arange(B * 2).view(B, 2).repeat_interleave(32, 1), "chunk_labels": labels}
+    tc = TrainConfig(steps=1, concept_negatives=5, eps_dropout=0.0)
+    out = compute_losses(model, batch, tc, generator=torch.Generator().manual_seed(0))
+    out["loss"].backward()
+    g = model.concept.known_head.weight.grad.abs().sum(1)
+    learned = set(g.nonzero().squeeze(1).tolist())
+    assert {3, 40} <= learned and len(learned) == 7  # the positives + 5 sampled negatives only
