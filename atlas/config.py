@@ -88,6 +88,13 @@ class EngineConfig(_Section):
     cpu_threads: int | None = Field(
         default=None, ge=1, description="CPU engine: OMP threads per replica (None: host cores / replicas, not Ray's num_cpus)."
     )
+    kv_block_size: int | None = Field(
+        default=None, ge=16, description="vLLM KV block size; the prefix cache hits whole blocks (None: 32 on CPU, vLLM's default on GPU)."
+    )
+    chunked_prefill: bool = Field(default=True, description="vLLM chunked prefill (long prompts are split across scheduler steps).")
+    step_timeout_s: int = Field(
+        default=3600, ge=60, description="Seconds one vLLM engine step may take before the engine is declared dead (slow shared CPUs)."
+    )
 
 
 class Stage1Config(_Section):
