@@ -245,6 +245,10 @@ def apply_cpu_env(cfg: EngineConfig) -> None:
     if cfg.device == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(cfg.kv_cache_gib))))
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        if cfg.cpu_threads:
+            # Same rule as the Ray actor's environment (runner.actor_resources): vLLM binds
+            # host cores minus the reserved ones.
+            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(max(0, (os.cpu_count() or 1) - cfg.cpu_threads))
 
 
 def kv_block_size(cfg: EngineConfig) -> int | None:
