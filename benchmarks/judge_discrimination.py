@@ -72,9 +72,15 @@ def make_tags(texts: list[str], backend: str) -> tuple[list[list[str]], dict]:
         max_tokens=s1.max_new_tokens, temperature=0.0, seed=cfg.seed, frequency_penalty=s1.frequency_penalty, json_schema=schema
     )
     be = make_backend(eng.model_dir, cfg)
+    hit = None
     t0 = time.perf_counter()
     try:
+        m0 = be.metrics() if hasattr(be, "metrics") else None
         res = be.generate([prompts.tag_prompt(t, eng.chat_template) for t in texts], sampling)
+        if m0 is not None:
+            from atlas.engine import metrics_delta
+
+            hit = metrics_delta(m0, be.metrics())["prefix_cache_hit_rate"]
     finally:
         be.close()
     tags, bad = [], 0
@@ -83,7 +89,7 @@ def make_tags(texts: list[str], backend: str) -> tuple[list[list[str]], dict]:
         t = normalize_tags(val, s1.max_tags, s1.max_tag_words) if val else []
         bad += not t
         tags.append(t)
-    return tags, {"seconds": round(time.perf_counter() - t0, 1), "chunks_without_tags": bad}
+    return tags, {"seconds": round(time.perf_counter() - t0, 1), "chunks_without_tags": bad, "prefix_cache_hit_rate": hit}
 
 
 def derangement_across_docs(doc_ids: list[str]) -> list[int]:
@@ -110,6 +116,7 @@ def run_judge(be, model: str, mode: str, pairs: list[tuple[int, str]], texts: li
         sampling = Sampling(**prompts.judge_sampling_kwargs())
     else:
         sampling = Sampling(max_tokens=4, temperature=0.0, choice=tuple(prompts.judge_choices(template)))
+    m0 = be.metrics() if hasattr(be, "metrics") else None
     t0 = time.perf_counter()
     res = be.generate(ps, sampling)
     dt = time.perf_counter() - t0
@@ -127,6 +134,11 @@ def run_judge(be, model: str, mode: str, pairs: list[tuple[int, str]], texts: li
             errors.append(r.error or f"answer {r.text!r} not in 1..5")
         scores.append(s)
     info = {"seconds": round(dt, 1), "pairs/s": round(len(ps) / dt, 2) if dt else None, "errors": len(errors)}
+    if m0 is not None:
+        from atlas.engine import metrics_delta
+
+        hr = metrics_delta(m0, be.metrics())["prefix_cache_hit_rate"]
+        info["prefix_cache_hit_rate"] = None if hr is None else round(hr, 3)
     if errors:
         info["first_error"] = errors[0][:160]
     if masses:
