@@ -58,7 +58,7 @@ def engine_cfg(model: str, backend: str):
     return EngineConfig(model=model, backend=backend, max_model_len=1024, max_num_seqs=64, batch_size=32, kv_cache_gib=1.0)
 
 
-def make_tags(texts: list[str], backend: str) -> tuple[list[list[str]], dict]:
+def make_tags(texts: list[str], backend: str, be=None) -> tuple[list[list[str]], dict]:
     """Stage 1 tags for ``texts`` (same prompt, schema, sampling and normalisation as Stage 1)."""
     from atlas.config import Stage1Config
     from atlas.engine import Engine, Sampling, make_backend, prompts
@@ -71,7 +71,9 @@ def make_tags(texts: list[str], backend: str) -> tuple[list[list[str]], dict]:
     sampling = Sampling(
         max_tokens=s1.max_new_tokens, temperature=0.0, seed=cfg.seed, frequency_penalty=s1.frequency_penalty, json_schema=schema
     )
-    be = make_backend(eng.model_dir, cfg)
+    own = be is None  # a Gemma engine the judges will use is passed in and stays open
+    if own:
+        be = make_backend(eng.model_dir, cfg)
     hit = None
     t0 = time.perf_counter()
     try:
@@ -82,7 +84,8 @@ def make_tags(texts: list[str], backend: str) -> tuple[list[list[str]], dict]:
 
             hit = metrics_delta(m0, be.metrics())["prefix_cache_hit_rate"]
     finally:
-        be.close()
+        if own:
+            be.close()
     tags, bad = [], 0
     for r in res:
         val, err = parse_tags(r.text, schema) if r.error is None else (None, r.error)
@@ -187,6 +190,7 @@ def main() -> None:
     t_start = time.perf_counter()
     ids, docs, texts = pick_chunks(args.chunks)
     tag_info: dict = {}
+    engines: dict = {}  # model key -> open backend (the tagger's Gemma engine is reused by the Gemma judges)
     if args.tags_json and Path(args.tags_json).exists():
         saved = json.loads(Path(args.tags_json).read_text())
         if saved.get("chunk_ids") != ids:
@@ -194,7 +198,9 @@ def main() -> None:
         tags = saved["tags"]
         tag_info = {"from": args.tags_json}
     else:
-        tags, tag_info = make_tags(texts, args.backend)
+        if any(j.startswith("gemma-") for j in args.judges.split(",")):
+            engines["gemma"] = make_backend(resolve_model(MODELS["gemma"]), engine_cfg(MODELS["gemma"], args.backend))
+        tags, tag_info = make_tags(texts, args.backend, engines.get("gemma"))
         if args.tags_json:
             Path(args.tags_json).write_text(json.dumps({"chunk_ids": ids, "tags": tags}))
     perm = derangement_across_docs(docs)
@@ -219,7 +225,7 @@ def main() -> None:
     for m, modes in by_model.items():
         cfg = engine_cfg(MODELS[m], args.backend)
         t0 = time.perf_counter()
-        be = make_backend(resolve_model(MODELS[m]), cfg)
+        be = engines.pop(m, None) or make_backend(resolve_model(MODELS[m]), cfg)
         load = time.perf_counter() - t0
         try:
             for mode in modes:
