@@ -95,6 +95,13 @@ class EngineConfig(_Section):
     )
     test_delay_s: float = Field(default=0.0, ge=0, description="backend=test only: seconds of sleep per generated row.")
     test_invalid_rate: float = Field(default=0.0, ge=0, le=1, description="backend=test only: fraction of rows answered with invalid output.")
+    kv_block_size: int | None = Field(
+        default=None, ge=16, description="vLLM KV block size; the prefix cache hits whole blocks (None: 32 on CPU, vLLM's default on GPU)."
+    )
+    chunked_prefill: bool = Field(default=True, description="vLLM chunked prefill (long prompts are split across scheduler steps).")
+    step_timeout_s: int = Field(
+        default=3600, ge=60, description="Seconds one vLLM engine step may take before the engine is declared dead (slow shared CPUs)."
+    )
 
 
 class Stage1Config(_Section):

@@ -18,9 +18,13 @@ from atlas.engine import (
     ModelError,
     Sampling,
     actor_resources,
+    expected_score,
+    metrics_delta,
+    parse_score_text,
     prompts,
     request_hash,
     resolve_model,
+    score_text,
 )
 from atlas.storage import resolve
 from tests.engine_fixtures import demo_chunks, gemma_dir, small_engine_cfg, smollm_dir  # noqa: F401
@@ -102,6 +106,69 @@ def test_prompts_share_prefix_and_end_in_query():
     j1 = prompts.judge_prompt("Some text.", "tag one")
     j2 = prompts.judge_prompt("Some text.", "tag two")
     assert os.path.commonprefix([j1, j2]).endswith("Text: Some text.\nTag: tag ")
+
+
+def test_expected_score_math():
+    assert expected_score({"1": 0.0, "2": 0.0, "3": 0.0, "4": 0.0, "5": 1.0}) == 5.0
+    assert expected_score({"1": 0.5, "5": 0.5}) == 3.0
+    assert expected_score([0.2, 0.2, 0.2, 0.2, 0.2]) == pytest.approx(3.0)
+    # renormalised: only the ratios matter
+    assert expected_score([1.0, 3.0]) == pytest.approx(1.75) == expected_score([0.1, 0.3])
+    assert expected_score({"a": 1.0, "b": 1.0}, values=[0.0, 10.0]) == 5.0
+    for bad in ([0.0, 0.0], [-0.1, 1.0], [float("nan"), 1.0], []):
+        with pytest.raises(ValueError):
+            expected_score(bad)
+    with pytest.raises(ValueError, match="not numbers"):
+        expected_score({"yes": 1.0, "no": 0.0})
+    with pytest.raises(ValueError, match="2 probabilities but 3 values"):
+        expected_score([0.5, 0.5], values=[1, 2, 3])
+
+
+def test_score_sampling_key_and_text_roundtrip():
+    choices = tuple(prompts.JUDGE_CHOICES)
+    s = Sampling(**prompts.judge_sampling_kwargs())
+    assert s.score_choices == choices and s.max_tokens == 1
+    assert Sampling.from_key(s.key()) == s
+    # the scoring mode is part of the cache key; plain keys are unchanged (old caches stay valid)
+    sampled = Sampling(max_tokens=1, choice=choices)
+    assert request_hash("m", "p", s) != request_hash("m", "p", sampled)
+    assert request_hash("m", "p", s) != request_hash("m", "p", Sampling(max_tokens=1, score_choices=choices[:4]))
+    assert "score_choices" not in Sampling(max_tokens=8).key()
+    with pytest.raises(ValueError, match="distinct"):
+        Sampling(max_tokens=1, score_choices=("1", "1"))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        Sampling(max_tokens=1, score_choices=("1", "2"), choice=("1", "2"))
+    text = score_text(choices, [0.1, 0.2, 0.3, 0.2, 0.2], 0.9)
+    probs = parse_score_text(text)
+    assert list(probs) == list(choices) and expected_score(probs) == pytest.approx(3.2)
+    with pytest.raises(ValueError, match="not a choice-scoring output"):
+        parse_score_text('["a tag"]')
+
+
+def test_score_results_cache_roundtrip(tmp_path):
+    """Scoring rows go through the generation cache as text and come back as probabilities."""
+    root = resolve(str(tmp_path))
+    s = Sampling(**prompts.judge_sampling_kwargs())
+    h = request_hash("m", "judge prompt", s)
+    probs = [0.05, 0.05, 0.1, 0.3, 0.5]
+    GenerationCache(root).put([{"request_hash": h, "model": "m", "text": score_text(s.score_choices, probs, 0.97), "output_tokens": 0, "finish_reason": "score:5"}])
+    got = GenerationCache(root).lookup([h])[h]
+    back = parse_score_text(got["text"])
+    assert [back[c] for c in s.score_choices] == pytest.approx(probs)
+    assert expected_score(back) == pytest.approx(4.15)
+
+
+def test_metrics_delta_rates():
+    before = {"vllm:prefix_cache_queries": 100.0, "vllm:prefix_cache_hits": 10.0}
+    after = {
+        "vllm:prefix_cache_queries": 1100.0,
+        "vllm:prefix_cache_hits": 810.0,
+        "vllm:request_prefill_time_seconds:sum": 3.0,
+        "vllm:request_decode_time_seconds:sum": 1.0,
+    }
+    d = metrics_delta(before, after)
+    assert d["prefix_cache_hit_rate"] == pytest.approx(0.8) and d["prefill_share"] == pytest.approx(0.75)
+    assert metrics_delta({}, {})["prefix_cache_hit_rate"] is None
 
 
 # ------------------------------------------------------------------ prepared models
@@ -210,3 +277,46 @@ def test_transformers_backend_same_interface(gemma_dir):
         assert r.error is None
         if r.finish_reason == "stop":
             assert _valid_tags(r.text, schema), r.text
+
+
+# ------------------------------------------------------------------ choice scoring (judge)
+
+
+def _judge_prompts():
+    texts = demo_chunks(2, 1).column("text").to_pylist()
+    return [prompts.judge_prompt(texts[0], "ships"), prompts.judge_prompt(texts[1], "rugby union")]
+
+
+def _check_scores(res, n):
+    assert len(res) == n
+    for r in res:
+        assert r.error is None, r.error
+        assert len(r.probs) == 5 and sum(r.probs) == pytest.approx(1.0, abs=1e-6) and min(r.probs) >= 0
+        assert 0 < r.choice_mass <= 1.0 + 1e-6
+        back = parse_score_text(r.text)  # the text form carries the same numbers (cache / runner)
+        assert [back[c] for c in prompts.JUDGE_CHOICES] == pytest.approx(list(r.probs), abs=1e-5)
+        assert 1.0 <= expected_score(back) <= 5.0
+
+
+@pytest.mark.slow
+def test_vllm_and_transformers_score_choices_agree(vllm_backend, gemma_dir):
+    """Both backends read P(1..5) at the end of the same prompts and agree on it; a prompt whose
+    choices share their first token is refused with a permanent error naming the reason."""
+    from atlas.engine import TransformersBackend
+
+    ps = _judge_prompts()
+    s = Sampling(**prompts.judge_sampling_kwargs())
+    bad = prompts.judge_prompt("Some text.", "tag").rstrip()  # ends in "Score:" -> " 1".." 5" share the space token
+    bad_s = Sampling(max_tokens=1, score_choices=tuple(f" {c}" for c in prompts.JUDGE_CHOICES))
+    v = vllm_backend.generate(ps, s)
+    _check_scores(v, len(ps))
+    vb = vllm_backend.generate([bad], bad_s)[0]
+    assert vb.permanent and "share their first token" in vb.error
+    hf = TransformersBackend(gemma_dir, small_engine_cfg(backend="transformers", batch_size=2, max_model_len=1024))
+    t = hf.generate(ps, s)
+    _check_scores(t, len(ps))
+    for a, b in zip(v, t):  # same model, two implementations (bf16 rounding differs slightly)
+        assert list(a.probs) == pytest.approx(list(b.probs), abs=0.05)
+        assert a.choice_mass == pytest.approx(b.choice_mass, abs=0.05)
+    hb = hf.generate([bad], bad_s)[0]
+    assert hb.permanent and "share their first token" in hb.error

@@ -6,6 +6,8 @@ Public API:
 * :class:`Engine` - one model + backend; renders prompts (chat template for instruct models)
   and serves request tables through the request cache and Ray Data engine actors.
 * :class:`Sampling`, :func:`request_hash` - sampling/constraint spec and the cache key.
+  ``Sampling(max_tokens=1, score_choices=("1", ..., "5"))`` scores answers by the model's
+  probabilities; :func:`parse_score_text` / :func:`expected_score` read the result back.
 * :mod:`atlas.engine.prompts` - few-shot prompts and output schemas.
 * :class:`EngineActor` - the Ray Data callable class owning ``vllm.LLM`` (or transformers).
 * :func:`make_backend` - an in-process backend (benchmarks, notebooks).
@@ -20,7 +22,20 @@ import pyarrow as pa
 
 from atlas.config import EngineConfig
 from atlas.engine.cache import GenerationCache
-from atlas.engine.core import Backend, Result, Sampling, TransformersBackend, VLLMBackend, make_backend, request_hash
+from atlas.engine.core import (
+    Backend,
+    Result,
+    Sampling,
+    ScoreError,
+    TransformersBackend,
+    VLLMBackend,
+    expected_score,
+    make_backend,
+    metrics_delta,
+    parse_score_text,
+    request_hash,
+    score_text,
+)
 from atlas.engine.models import EMBEDDED, ModelError, is_instruct, prepare_embedded, resolve_model
 from atlas.engine.runner import EngineActor, GenerationStats, actor_resources, generate, split_answers, stream_generate
 from atlas.storage import Location
@@ -35,17 +50,22 @@ __all__ = [
     "ModelError",
     "Result",
     "Sampling",
+    "ScoreError",
     "TransformersBackend",
     "VLLMBackend",
     "actor_resources",
     "generate",
     "is_instruct",
+    "expected_score",
     "make_backend",
+    "metrics_delta",
+    "parse_score_text",
     "prepare_embedded",
     "request_hash",
     "resolve_model",
     "split_answers",
     "stream_generate",
+    "score_text",
 ]
 
 

@@ -3,16 +3,25 @@
 ``Backend.generate(prompts, sampling) -> list[Result]`` never raises for a bad row: a prompt
 that cannot be served (too long, engine rejection, ...) comes back as a Result with ``error``
 set and naming the reason, and the other rows are generated normally.
+
+Choice scoring (``Sampling(score_choices=("1", ..., "5"))``): instead of sampling, the backend
+reads the model's next-token distribution at the end of the prompt, keeps the first token of
+each choice and renormalises over them (vLLM: ``SamplingParams.logprob_token_ids`` on one
+generated token; transformers: the last position's logits). ``Result.probs`` holds the
+per-choice probabilities and ``Result.text`` the same as JSON (:func:`score_text`), so the
+text-only request cache and the Ray Data runner carry them unchanged; :func:`parse_score_text`
+and :func:`expected_score` turn a row back into a score.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from atlas.config import EngineConfig
 
@@ -27,19 +36,33 @@ class Sampling:
     frequency_penalty: float = 0.0
     json_schema: dict | None = field(default=None, hash=False)
     choice: tuple[str, ...] | None = None
+    # Score these answers by the model's probabilities instead of sampling (see module doc).
+    score_choices: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        sc = self.score_choices
+        if sc is not None:
+            if len(sc) < 2 or len(set(sc)) != len(sc) or not all(isinstance(c, str) and c for c in sc):
+                raise ValueError(f"score_choices must be >= 2 distinct non-empty strings, got {sc!r}")
+            if self.json_schema is not None or self.choice is not None:
+                raise ValueError("score_choices cannot be combined with json_schema or choice")
 
     def key(self) -> str:
         """Canonical JSON text of the parameters (part of the request cache key)."""
         d = asdict(self)
-        if d["choice"] is not None:
-            d["choice"] = list(d["choice"])
+        for k in ("choice", "score_choices"):
+            if d[k] is not None:
+                d[k] = list(d[k])
+        if d["score_choices"] is None:
+            del d["score_choices"]  # keys of plain generations stay as they were (caches stay valid)
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_key(cls, key: str) -> "Sampling":
         d = json.loads(key)
-        if d.get("choice") is not None:
-            d["choice"] = tuple(d["choice"])
+        for k in ("choice", "score_choices"):
+            if d.get(k) is not None:
+                d[k] = tuple(d[k])
         return cls(**d)
 
 
@@ -52,6 +75,77 @@ class Result:
     # A permanent error is a property of the request itself (e.g. a prompt longer than the
     # context): it is cached like a generation, so a rerun does not start the engine for it.
     permanent: bool = False
+    # Choice scoring only: probabilities renormalised over Sampling.score_choices (same order),
+    # and the share of the raw next-token probability that fell on those choices.
+    probs: tuple[float, ...] | None = None
+    choice_mass: float | None = None
+
+
+class ScoreError(ValueError):
+    """The prompt / choices cannot be scored by next-token probabilities (names the reason)."""
+
+
+def score_text(choices: Sequence[str], probs: Sequence[float], mass: float) -> str:
+    """The text form of a scoring result (what the cache stores and ``Result.text`` holds)."""
+    return json.dumps(
+        {"probs": {c: round(float(p), 6) for c, p in zip(choices, probs)}, "mass": round(float(mass), 6)},
+        separators=(",", ":"),
+    )
+
+
+def parse_score_text(text: str | None) -> dict[str, float]:
+    """``Result.text`` / cached text of a scoring request -> {choice: probability}. Raises
+    ValueError naming the problem when the text is not a scoring result."""
+    if text is None:
+        raise ValueError("no scoring output")
+    try:
+        d = json.loads(text)
+        probs = d["probs"]
+        out = {str(k): float(v) for k, v in probs.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"not a choice-scoring output ({type(e).__name__}): {text[:80]!r}") from None
+    if not out:
+        raise ValueError(f"choice-scoring output has no choices: {text[:80]!r}")
+    return out
+
+
+def expected_score(probs: Mapping[str, float] | Sequence[float], values: Sequence[float] | None = None) -> float:
+    """Expected value of a distribution over answers, renormalised.
+
+    ``probs``: {choice: p} (a choice's value is ``float(choice)``, e.g. "1".."5") or a sequence
+    of p; ``values``: the value of each entry (default: the choices as numbers, or 1..n for a
+    sequence). Probabilities need not sum to one (they are renormalised); negative or
+    non-finite entries, an all-zero distribution or a length mismatch raise ValueError.
+    """
+    if isinstance(probs, Mapping):
+        ps = [float(v) for v in probs.values()]
+        if values is None:
+            try:
+                values = [float(k) for k in probs]
+            except ValueError:
+                raise ValueError(f"choices {list(probs)} are not numbers; pass values=") from None
+    else:
+        ps = [float(v) for v in probs]
+        if values is None:
+            values = [float(i + 1) for i in range(len(ps))]
+    if len(values) != len(ps):
+        raise ValueError(f"{len(ps)} probabilities but {len(values)} values")
+    if not ps or any(not math.isfinite(p) or p < 0 for p in ps):
+        raise ValueError(f"probabilities must be finite and >= 0, got {ps}")
+    total = sum(ps)
+    if total <= 0:
+        raise ValueError("all probabilities are zero")
+    return sum(v * p for v, p in zip(values, ps)) / total
+
+
+def _renormalise(logprobs: Sequence[float]) -> tuple[tuple[float, ...], float]:
+    """Log-probabilities of the choices (over the full vocabulary) -> (renormalised probs, mass)."""
+    m = max(logprobs)
+    if not math.isfinite(m):
+        raise ScoreError("every choice has zero probability under the model")
+    ex = [math.exp(lp - m) for lp in logprobs]
+    z = sum(ex)
+    return tuple(e / z for e in ex), math.exp(m) * z
 
 
 def request_hash(model_id: str, prompt: str, sampling: Sampling | str) -> str:
@@ -86,6 +180,50 @@ class Backend:
     def prompt_token_ids(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt)["input_ids"]  # type: ignore[attr-defined]
 
+    def choice_token_ids(self, prompt: str, choices: Sequence[str]) -> list[int]:
+        """The token each choice starts with when it follows ``prompt``.
+
+        Scoring reads one next-token distribution, so every choice must begin with its own
+        token right after the prompt's tokens (a base-model prompt ending in "Score:" fails:
+        " 1".." 5" all start with the space token; end it in "Score: " and score "1".."5").
+        """
+        enc = self.tokenizer([prompt] + [prompt + c for c in choices])["input_ids"]  # type: ignore[attr-defined]
+        base, ids = enc[0], []
+        for c, full in zip(choices, enc[1:]):
+            if len(full) <= len(base) or full[: len(base)] != base:
+                raise ScoreError(
+                    f"choice {c!r} does not start a new token after the prompt (its text merges with the prompt's "
+                    f"last token {prompt[-12:]!r}); end the prompt where every choice begins a token"
+                )
+            ids.append(full[len(base)])
+        if len(set(ids)) != len(ids):
+            first = {}
+            for c, t in zip(choices, ids):
+                first.setdefault(t, []).append(c)
+            dup = next(v for v in first.values() if len(v) > 1)
+            raise ScoreError(
+                f"choices {dup} share their first token after the prompt, so one next-token distribution cannot "
+                f"tell them apart (e.g. a prompt ending in ':' with choices ' 1'..' 5'); end the prompt with the "
+                f"separator and use choices that differ in their first token"
+            )
+        return ids
+
+    def _score_ids(self, prompts: Sequence[str], todo: list[int], sampling: Sampling, results: list) -> dict[int, list[int]]:
+        """Choice token ids per row of ``todo``; rows that cannot be scored get a permanent error."""
+        out: dict[int, list[int]] = {}
+        for i in todo:
+            try:
+                out[i] = self.choice_token_ids(prompts[i], sampling.score_choices)  # type: ignore[arg-type]
+            except ScoreError as e:
+                results[i] = Result(None, error=f"cannot score choices: {e}", permanent=True)
+        return out
+
+    @staticmethod
+    def _score_result(choices: Sequence[str], logprobs: Sequence[float]) -> Result:
+        probs, mass = _renormalise(logprobs)
+        best = max(range(len(probs)), key=probs.__getitem__)
+        return Result(score_text(choices, probs, mass), output_tokens=0, finish_reason=f"score:{choices[best]}", probs=probs, choice_mass=mass)
+
     def _length_errors(self, prompts: Sequence[str], sampling: Sampling) -> dict[int, str]:
         limit = self.cfg.max_model_len
         out: dict[int, str] = {}
@@ -101,9 +239,68 @@ class Backend:
 
 def apply_cpu_env(cfg: EngineConfig) -> None:
     """Process environment the vLLM CPU backend reads at start-up."""
+    # One engine step must finish within this or vLLM declares the engine dead; on a CPU host
+    # shared with other jobs a 4k-token prefill step can take minutes (vLLM's default: 300 s).
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(int(cfg.step_timeout_s)))
     if cfg.device == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(cfg.kv_cache_gib))))
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        if cfg.cpu_threads:
+            # Same rule as the Ray actor's environment (runner.actor_resources): vLLM binds
+            # host cores minus the reserved ones.
+            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(max(0, (os.cpu_count() or 1) - cfg.cpu_threads))
+
+
+def kv_block_size(cfg: EngineConfig) -> int | None:
+    """KV-cache block size for vLLM: the prefix cache hits whole blocks only, so a small block
+    keeps the tail of a shared few-shot preamble cached (CPU default 128 would recompute up to
+    127 preamble tokens per prompt; the CPU attention kernel wants multiples of 32)."""
+    if cfg.kv_block_size is not None:
+        return cfg.kv_block_size
+    return 32 if cfg.device == "cpu" else None
+
+
+# Prometheus names read by VLLMBackend.metrics() (vLLM v1 metric names).
+_COUNTERS = (
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:prompt_tokens",
+    "vllm:prompt_tokens_cached",
+    "vllm:generation_tokens",
+    "vllm:num_preemptions",
+)
+_HISTOGRAMS = (
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:request_queue_time_seconds",
+)
+
+
+def metrics_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float | None]:
+    """Engine statistics between two :meth:`VLLMBackend.metrics` snapshots.
+
+    ``prefix_cache_hit_rate``: cached / queried prompt tokens (vLLM's own definition);
+    ``prefill_s`` / ``decode_s``: per-request prefill and decode times summed over requests
+    (requests overlap in a batch, so these are shares of request time, not wall time);
+    ``prefill_share``: prefill_s / (prefill_s + decode_s).
+    """
+    d = {k: float(after.get(k, 0.0)) - float(before.get(k, 0.0)) for k in set(after) | set(before)}
+    q, h = d.get("vllm:prefix_cache_queries", 0.0), d.get("vllm:prefix_cache_hits", 0.0)
+    pre, dec = d.get("vllm:request_prefill_time_seconds:sum", 0.0), d.get("vllm:request_decode_time_seconds:sum", 0.0)
+    return {
+        "requests": d.get("vllm:request_inference_time_seconds:count", 0.0),
+        "prompt_tokens": d.get("vllm:prompt_tokens", 0.0),
+        "prompt_tokens_cached": d.get("vllm:prompt_tokens_cached", 0.0),
+        "generation_tokens": d.get("vllm:generation_tokens", 0.0),
+        "prefix_cache_queries": q,
+        "prefix_cache_hits": h,
+        "prefix_cache_hit_rate": (h / q) if q else None,
+        "prefill_s": pre,
+        "decode_s": dec,
+        "prefill_share": (pre / (pre + dec)) if (pre + dec) > 0 else None,
+        "preemptions": d.get("vllm:num_preemptions", 0.0),
+    }
 
 
 class VLLMBackend(Backend):
@@ -125,7 +322,12 @@ class VLLMBackend(Backend):
             tensor_parallel_size=cfg.tensor_parallel_size,
             enable_prefix_caching=cfg.prefix_caching,
             max_num_batched_tokens=max(cfg.max_num_batched_tokens, cfg.max_model_len),
+            enable_chunked_prefill=cfg.chunked_prefill,
+            # Statistics on: metrics() reads the prefix-cache hit rate and prefill/decode times.
+            disable_log_stats=False,
         )
+        if kv_block_size(cfg) is not None:
+            kwargs["block_size"] = kv_block_size(cfg)
         if cfg.device == "gpu":
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         t0 = time.perf_counter()
@@ -141,6 +343,20 @@ class VLLMBackend(Backend):
             except Exception:  # noqa: BLE001 - best effort
                 pass
             self.llm = None
+
+    def metrics(self) -> dict[str, float]:
+        """Snapshot of vLLM's counters and histogram sums (see :func:`metrics_delta`)."""
+        out: dict[str, float] = {}
+        for m in self.llm.get_metrics():
+            if m.name in _COUNTERS and hasattr(m, "value"):
+                out[m.name] = out.get(m.name, 0.0) + float(m.value)
+            elif m.name in _HISTOGRAMS and hasattr(m, "sum"):
+                out[m.name + ":sum"] = out.get(m.name + ":sum", 0.0) + float(m.sum)
+                out[m.name + ":count"] = out.get(m.name + ":count", 0.0) + float(m.count)
+        return out
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
 
     def _params(self, sampling: Sampling):
         from vllm import SamplingParams
@@ -166,6 +382,8 @@ class VLLMBackend(Backend):
         todo = [i for i, r in enumerate(results) if r is None]
         if not todo:
             return results  # type: ignore[return-value]
+        if sampling.score_choices is not None:
+            return self._score(prompts, todo, sampling, results)
         params = self._params(sampling)
         try:
             outs = self.llm.generate([prompts[i] for i in todo], params, use_tqdm=False)
@@ -183,6 +401,34 @@ class VLLMBackend(Backend):
     def _result(o) -> Result:
         c = o.outputs[0]
         return Result(c.text, output_tokens=len(c.token_ids), finish_reason=str(c.finish_reason))
+
+    def _score(self, prompts: Sequence[str], todo: list[int], sampling: Sampling, results: list) -> list[Result]:
+        from vllm import SamplingParams
+
+        choices = sampling.score_choices
+        ids = self._score_ids(prompts, todo, sampling, results)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, t in ids.items():
+            groups.setdefault(tuple(t), []).append(i)
+        for tids, idx in groups.items():
+            # One generated token; its logprob entries are the raw (full-vocabulary) log-softmax
+            # of exactly these ids, so renormalising over them is the choice distribution.
+            params = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=list(tids), detokenize=False)
+
+            def one(o) -> Result:
+                lp = o.outputs[0].logprobs[0]
+                return self._score_result(choices, [lp[t].logprob for t in tids])  # type: ignore[arg-type]
+
+            try:
+                for i, o in zip(idx, self.llm.generate([prompts[i] for i in idx], params, use_tqdm=False)):
+                    results[i] = one(o)
+            except Exception:  # noqa: BLE001 - isolate the failing row(s), keep the rest
+                for i in idx:
+                    try:
+                        results[i] = one(self.llm.generate([prompts[i]], params, use_tqdm=False)[0])
+                    except Exception as e:  # noqa: BLE001
+                        results[i] = Result(None, error=f"engine rejected the scoring request: {_short(e)}")
+        return results  # type: ignore[return-value]
 
 
 class TransformersBackend(Backend):
@@ -241,6 +487,8 @@ class TransformersBackend(Backend):
         for i, msg in self._length_errors(prompts, sampling).items():
             results[i] = Result(None, error=msg, permanent=True)
         todo = [i for i, r in enumerate(results) if r is None]
+        if sampling.score_choices is not None:
+            return self._score(prompts, todo, sampling, results)
         bs = max(1, self.cfg.batch_size)
         for s in range(0, len(todo), bs):
             idx = todo[s : s + bs]
@@ -254,6 +502,39 @@ class TransformersBackend(Backend):
                     except Exception as e:  # noqa: BLE001
                         results[i] = Result(None, error=f"generation failed: {_short(e)}")
         return results  # type: ignore[return-value]
+
+    def _score(self, prompts: Sequence[str], todo: list[int], sampling: Sampling, results: list) -> list[Result]:
+        choices = sampling.score_choices
+        ids = self._score_ids(prompts, todo, sampling, results)
+        rows = [i for i in todo if i in ids]
+        bs = max(1, self.cfg.batch_size)
+        for s in range(0, len(rows), bs):
+            idx = rows[s : s + bs]
+            try:
+                lps = self._last_logprobs([prompts[i] for i in idx], [ids[i] for i in idx])
+                for i, lp in zip(idx, lps):
+                    results[i] = self._score_result(choices, lp)  # type: ignore[arg-type]
+            except Exception:  # noqa: BLE001
+                for i in idx:
+                    try:
+                        results[i] = self._score_result(choices, self._last_logprobs([prompts[i]], [ids[i]])[0])  # type: ignore[arg-type]
+                    except Exception as e:  # noqa: BLE001
+                        results[i] = Result(None, error=f"scoring failed: {_short(e)}")
+        return results  # type: ignore[return-value]
+
+    def _last_logprobs(self, prompts: list[str], ids: list[list[int]]) -> list[list[float]]:
+        """Full-vocabulary log-softmax at the last prompt position, gathered at ``ids``."""
+        torch = self.torch
+        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=True).to(self.device)
+        # Left padding: positions count real tokens only, as in generate().
+        pos = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        with torch.inference_mode():
+            logits = self.model(
+                input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], position_ids=pos, logits_to_keep=1
+            ).logits[:, -1, :]
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            idx = torch.tensor(ids, dtype=torch.long, device=logp.device)
+            return torch.gather(logp, 1, idx).tolist()
 
     def _generate_batch(self, prompts: list[str], sampling: Sampling) -> list[Result]:
         torch = self.torch

@@ -98,13 +98,15 @@ def tag_prompt(text: str, chat_template=None) -> str:
 
 def judge_prompt(text: str, tag: str, chat_template=None) -> str:
     """The judge prompt for one (chunk, tag) pair. The chunk text precedes the tag so that all
-    tags of one chunk share a prompt prefix (prefix caching)."""
+    tags of one chunk share a prompt prefix (prefix caching). The base-model prompt ends in
+    "Score: " (the separator included), so each answer "1".."5" starts with its own token and
+    one next-token distribution scores them all (``Sampling(score_choices=...)``)."""
     text = _clean(text)
     if chat_template is None:
         parts = [JUDGE_INSTRUCTION, ""]
         for ex_text, ex_tag, score in JUDGE_EXAMPLES:
             parts += [f"Text: {ex_text}", f"Tag: {ex_tag}", f"Score: {score}", ""]
-        parts += [f"Text: {text}", f"Tag: {tag}", "Score:"]
+        parts += [f"Text: {text}", f"Tag: {tag}", "Score: "]
         return "\n".join(parts)
     messages = [{"role": "system", "content": JUDGE_INSTRUCTION}]
     for ex_text, ex_tag, score in JUDGE_EXAMPLES:
@@ -114,5 +116,12 @@ def judge_prompt(text: str, tag: str, chat_template=None) -> str:
 
 
 def judge_choices(chat_template=None) -> list[str]:
-    # Base-model prompts end in "Score:" so the answer carries its leading space.
-    return [f" {c}" for c in JUDGE_CHOICES] if chat_template is None else list(JUDGE_CHOICES)
+    """The answers of a judge prompt: "1".."5" for both prompt forms (the base-model prompt
+    carries the space before the answer)."""
+    return list(JUDGE_CHOICES)
+
+
+def judge_sampling_kwargs() -> dict[str, Any]:
+    """Keyword arguments of the judge's :class:`~atlas.engine.core.Sampling`: score the five
+    answers by their probabilities (one engine step per pair, no sampling)."""
+    return {"max_tokens": 1, "temperature": 0.0, "score_choices": tuple(JUDGE_CHOICES)}
