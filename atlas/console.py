@@ -133,7 +133,9 @@ def print_summary(manifest: dict, console: Any = None) -> None:
     table = Table(title=f"run {manifest['run_id']} — {manifest['status']}")
     for col in ("stage", "status", "rows", "seconds", "tables"):
         table.add_column(col)
-    for name, st in manifest["stages"].items():
+    order = manifest.get("stage_order") or list(manifest["stages"])
+    for name in order:
+        st = manifest["stages"][name]
         status = st["status"]
         if status == "skipped" and st.get("reason"):
             status = f"skipped ({st['reason']})"

@@ -69,6 +69,7 @@ class Manifest:
             "config": redacted_config(cfg),
             "packages": package_versions(),
             "stages": {s: {"status": "pending"} for s in stages},
+            "stage_order": list(stages),  # the JSON file sorts keys; this keeps pipeline order
         }
         self._t0: dict[str, float] = {}
         self.save()
