@@ -32,7 +32,7 @@ class StorageConfig(_Section):
     )
     s3_region: str | None = Field(default=None, description="Region; env AWS_REGION / AWS_DEFAULT_REGION also work.")
     s3_allow_http: bool = Field(
-        default=False, description="Allow a plain-http endpoint (a local test server only: requests and signatures go unencrypted)."
+        default=False, description="Allow a plain-http endpoint off this machine (requests and signatures go unencrypted); loopback endpoints (127.0.0.0/8, localhost, ::1) are always allowed."
     )
 
 

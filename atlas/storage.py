@@ -22,6 +22,7 @@ dead one without a lease), so abandoned versions are left for an explicit
 from __future__ import annotations
 
 import calendar
+import ipaddress
 import json
 import os
 import secrets
@@ -62,6 +63,16 @@ class Location:
         return self.uri.startswith("s3://")
 
 
+def _is_loopback(host: str | None) -> bool:
+    """Plain http to this machine never leaves it, so a local S3-compatible server needs no opt-in."""
+    if host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        return False
+
+
 def _s3_options(cfg: StorageConfig | None) -> dict[str, Any]:
     cfg = cfg or StorageConfig()
     endpoint = cfg.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
@@ -69,10 +80,10 @@ def _s3_options(cfg: StorageConfig | None) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     if endpoint:
         parsed = urllib.parse.urlparse(endpoint)
-        if parsed.scheme == "http" and not cfg.s3_allow_http:
+        if parsed.scheme == "http" and not cfg.s3_allow_http and not _is_loopback(parsed.hostname):
             raise StorageError(
                 f"plain-http S3 endpoint {endpoint} refused: requests would travel unencrypted; "
-                "use https, or set storage.s3_allow_http=true for a local test server"
+                "use https, or set storage.s3_allow_http=true"
             )
         opts["endpoint_override"] = parsed.netloc or parsed.path
         opts["scheme"] = parsed.scheme or "https"

@@ -83,10 +83,15 @@ def test_redact_uri():
 
 def test_plain_http_endpoint_refused_by_default(s3_server):
     assert StorageConfig().s3_allow_http is False
+    # off this machine: refused (resolve only builds the filesystem; nothing is contacted)
     with pytest.raises(storage.StorageError, match="plain-http S3 endpoint .* refused.*s3_allow_http=true"):
-        storage.resolve("s3://b/run", StorageConfig(s3_endpoint=s3_server))
+        storage.resolve("s3://b/run", StorageConfig(s3_endpoint="http://192.0.2.7:9000"))
     with pytest.raises(storage.StorageError, match="refused"):
-        storage.s3_storage_options(StorageConfig(s3_endpoint="http://127.0.0.1:9"))
+        storage.s3_storage_options(StorageConfig(s3_endpoint="http://s3.example:80"))
+    assert storage.s3_storage_options(StorageConfig(s3_endpoint="http://192.0.2.7:9", s3_allow_http=True))
+    # loopback never leaves the machine: the local test server needs no opt-in
+    assert storage.s3_storage_options(StorageConfig(s3_endpoint=s3_server))["aws_endpoint_url"] == s3_server
+    assert storage.s3_storage_options(StorageConfig(s3_endpoint="http://localhost:9"))
     # https endpoints need no opt-in
     assert storage.s3_storage_options(StorageConfig(s3_endpoint="https://s3.example"))["aws_endpoint_url"] == "https://s3.example"
 
