@@ -74,22 +74,6 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _query(args: argparse.Namespace) -> int:
-    import polars as pl
-
-    from atlas import query
-    from atlas.config import StorageConfig
-
-    try:
-        df = query.sql(args.output, args.sql, StorageConfig(s3_endpoint=args.s3_endpoint, s3_allow_http=args.s3_allow_http))
-    except query.QueryError as e:
-        print(f"atlas query: refused: {e}", file=sys.stderr)
-        return 2
-    with pl.Config(tbl_rows=args.limit, fmt_str_lengths=80):
-        print(df.head(args.limit) if not args.csv else df.write_csv())
-    return 0
-
-
 def _schemas(args: argparse.Namespace) -> int:
     from atlas import schemas
 
@@ -134,7 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--s3-allow-http", action="store_true", help="allow a plain-http endpoint (local test server)")
     q.add_argument("--limit", type=int, default=20)
     q.add_argument("--csv", action="store_true", help="print all rows as CSV")
-    q.set_defaults(func=_query)
     from atlas import cli_query
 
     cli_query.extend(q)  # --format csv|json|parquet, --out

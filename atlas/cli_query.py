@@ -51,6 +51,10 @@ def run(args: argparse.Namespace) -> int:
     from atlas.config import StorageConfig
 
     fmt = args.format or ("csv" if getattr(args, "csv", False) else "table")
-    df = query.sql(args.output, args.sql, StorageConfig(s3_endpoint=args.s3_endpoint))
+    try:
+        df = query.sql(args.output, args.sql, StorageConfig(s3_endpoint=args.s3_endpoint, s3_allow_http=args.s3_allow_http))
+    except query.QueryError as e:
+        print(f"atlas query: refused: {e}", file=sys.stderr)
+        return 2
     write(df, fmt, args.out, args.limit)
     return 0

@@ -70,19 +70,30 @@ def _read(root: storage.Location) -> pa.Table:
 
 
 def _kill_ray_leftovers(marker: str) -> None:
-    """SIGKILL processes of the killed run's private Ray cluster (matched by its temp dir), by PID."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if marker.encode() in cmd:
+    """SIGKILL every process of the killed run's private Ray cluster, by PID, and wait until
+    they are gone. Ray workers retitle themselves (``ray::MapWorker``), so the match is on the
+    environment they inherit (ATLAS_RAY_TMP=<marker>) as well as the command line."""
+    def matching() -> list[int]:
+        found = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
             try:
-                os.kill(int(pid), signal.SIGKILL)
+                blob = Path(f"/proc/{pid}/cmdline").read_bytes() + Path(f"/proc/{pid}/environ").read_bytes()
+            except OSError:
+                continue
+            if marker.encode() in blob:
+                found.append(int(pid))
+        return found
+
+    deadline = time.time() + 30
+    while (pids := matching()) and time.time() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        time.sleep(0.2)
 
 
 @pytest.mark.slow
