@@ -58,7 +58,7 @@ def test_stage2_stages_publish_to_s3(ray_cluster, s3_server, s3_client):
     s3_client.create_bucket(Bucket="stage2")
     cfg = RunConfig(
         storage=StorageConfig(s3_endpoint=s3_server),
-        stage2=dict(tags_per_cluster=6, kmeans_redo=16, kmeans_iter=25, min_coherence=0.3, quality_report=True, quality_ks=[4, 8],
+        stage2=dict(enabled=True, tags_per_cluster=6, kmeans_redo=16, kmeans_iter=25, min_coherence=0.3, quality_report=True, quality_ks=[4, 8],
                     gate_min_silhouette=-1.0),
     )
     root = storage.resolve("s3://stage2/run", cfg.storage)
