@@ -65,12 +65,9 @@ def normalize_tags(tags: list, max_tags: int, max_words: int) -> list[str]:
 
 def parse_tags(raw: str | None, schema: dict) -> tuple[list | None, str | None]:
     """Validate a raw answer against the tag schema -> (list, None) or (None, reason)."""
-    if raw is None:
-        return None, "no output"
-    try:
-        val = json.loads(raw)
-    except ValueError as e:
-        return None, f"output is not valid JSON ({e.msg} at char {e.pos}): {raw[:80]!r}"
+    val, err = prompts.load_json_answer(raw)
+    if err:
+        return None, err
     if not isinstance(val, list) or not all(isinstance(x, str) for x in val):
         return None, f"output is not a JSON list of strings: {raw[:80]!r}"
     if not (schema.get("minItems", 0) <= len(val) <= schema.get("maxItems", 10**9)):

@@ -125,3 +125,13 @@ def judge_sampling_kwargs() -> dict[str, Any]:
     """Keyword arguments of the judge's :class:`~atlas.engine.core.Sampling`: score the five
     answers by their probabilities (one engine step per pair, no sampling)."""
     return {"max_tokens": 1, "temperature": 0.0, "score_choices": tuple(JUDGE_CHOICES)}
+
+
+def load_json_answer(raw: str | None) -> tuple[object, str | None]:
+    """A model's raw answer -> (parsed JSON, None) or (None, reason naming what was wrong)."""
+    if raw is None:
+        return None, "no output"
+    try:
+        return json.loads(raw), None
+    except ValueError as e:
+        return None, f"output is not valid JSON ({e.msg} at char {e.pos}): {raw[:80]!r}"

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 
 from atlas import schemas
 from atlas.engine import Sampling
+from atlas.engine.prompts import load_json_answer
 from atlas.stage2 import prompts
 
 # requests (key, prompt, sampling) -> answers (key, text, error, finish_reason, request_hash, cached)
@@ -89,12 +90,9 @@ def requests(clusters: pa.Table, examples: dict[int, list[str]], cfg, chat_templ
 
 
 def parse_label(raw: str | None) -> tuple[dict | None, str | None]:
-    if raw is None:
-        return None, "no output"
-    try:
-        val = json.loads(raw)
-    except ValueError as e:
-        return None, f"output is not valid JSON ({e.msg} at char {e.pos}): {raw[:80]!r}"
+    val, err = load_json_answer(raw)
+    if err:
+        return None, err
     if not isinstance(val, dict) or not isinstance(val.get("name"), str) or not isinstance(val.get("description"), str):
         return None, f"output is not an object with string name and description: {raw[:80]!r}"
     name, desc = " ".join(val["name"].split()), " ".join(val["description"].split())
