@@ -83,7 +83,11 @@ class EngineConfig(_Section):
     batch_size: int = Field(default=64, ge=1, description="Rows per engine call.")
     max_model_len: int = Field(default=2048, ge=128)
     max_num_seqs: int = Field(default=64, ge=1)
-    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] | None = Field(
+        default=None,
+        description="Compute dtype; None: bfloat16 on GPUs and on CPUs with native bf16 (AVX512-BF16/AMX), float32 on other CPUs "
+        "(emulated bf16 tags ~4x slower there). 'auto': the model's own dtype.",
+    )
     enforce_eager: bool = Field(default=True, description="Skip graph compilation (CPU: ~40 s load instead of minutes).")
     kv_cache_gib: float = Field(default=2.0, gt=0, description="CPU KV cache (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
@@ -100,7 +104,7 @@ class EngineConfig(_Section):
     )
     chunked_prefill: bool = Field(default=True, description="vLLM chunked prefill (long prompts are split across scheduler steps).")
     step_timeout_s: int = Field(
-        default=3600, ge=60, description="Seconds one vLLM engine step may take before the engine is declared dead (slow shared CPUs)."
+        default=3600, ge=60, description="Seconds one vLLM engine step may take before the engine is declared dead (slow shared CPUs; multiprocess engines only: a CPU engine with tensor_parallel_size 1 runs in its actor's process)."
     )
 
 

@@ -105,7 +105,7 @@ def main() -> None:
 
     from atlas.config import EngineConfig, Stage1Config
     from atlas.engine import Engine, Sampling, make_backend, metrics_delta, prompts
-    from atlas.engine.core import kv_block_size
+    from atlas.engine.core import engine_dtype, kv_block_size
 
     skip = set(args.skip.split(",")) - {""}
     s1 = Stage1Config()
@@ -134,7 +134,7 @@ def main() -> None:
     rows: list[tuple] = []
     print(
         f"model={args.model} chunks={len(ps)} prompt={prompts.PROMPT_VERSION} max_new_tokens={args.max_new_tokens} "
-        f"cores={os.cpu_count()} dtype={cfg.dtype} max_num_seqs={cfg.max_num_seqs} max_num_batched_tokens={cfg.max_num_batched_tokens} "
+        f"cores={os.cpu_count()} dtype={engine_dtype(cfg)} max_num_seqs={cfg.max_num_seqs} max_num_batched_tokens={cfg.max_num_batched_tokens} "
         f"batch_size={cfg.batch_size} kv_block_size={kv_block_size(cfg)} chunked_prefill={cfg.chunked_prefill} "
         f"prefix_caching={cfg.prefix_caching} cpu_threads={cfg.cpu_threads or 'auto'} loadavg={la():.1f}",
         flush=True,

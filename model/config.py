@@ -186,7 +186,9 @@ class TrainConfig(BaseModel):
     eval_every: int = Field(0, ge=0)  # 0 -> evaluate only at the end
     eval_batches: int = Field(4, ge=1)
     seed: int = 0
-    dtype: Literal["bf16", "fp32"] = "bf16"
+    # auto: bf16 autocast where bf16 is native (CUDA; CPUs with AVX512-BF16/AMX), else fp32
+    # (emulated bf16 matmuls run ~100x slower than fp32 on an AVX2-only CPU).
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
     threads: int | None = None  # torch.set_num_threads; None leaves it alone
 
     # Masked diffusion objective.

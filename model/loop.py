@@ -28,7 +28,7 @@ from model.objectives import compute_losses
 from model.tokenizer import train_tokenizer
 
 __all__ = ["TrainConfig", "TrainResult", "train", "train_step", "compute_losses", "make_optimizer", "lr_at",
-           "autocast_factory", "prepare_data"]
+           "autocast_factory", "resolve_dtype", "prepare_data"]
 
 
 @dataclass
@@ -42,9 +42,18 @@ class TrainResult:
 
 
 # ----------------------------------------------------------------------------- pieces
+def resolve_dtype(dtype: str, device_type: str = "cpu") -> str:
+    """``TrainConfig.dtype`` with "auto" decided for this device: "bf16" or "fp32"."""
+    if dtype != "auto":
+        return dtype
+    from atlas.hardware import native_bf16
+
+    return "bf16" if native_bf16(device_type) else "fp32"
+
+
 def autocast_factory(dtype: str, device_type: str = "cpu"):
-    """Zero-arg callable returning the autocast context for ``dtype`` ("bf16" | "fp32")."""
-    if dtype == "bf16":
+    """Zero-arg callable returning the autocast context for ``dtype`` ("auto" | "bf16" | "fp32")."""
+    if resolve_dtype(dtype, device_type) == "bf16":
         return lambda: torch.autocast(device_type=device_type, dtype=torch.bfloat16)
     return contextlib.nullcontext
 

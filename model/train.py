@@ -181,7 +181,7 @@ def _worker(config: dict) -> None:
 
     from model.data import iter_batches
     from model.io import save_pretrained
-    from model.loop import lr_at, make_optimizer
+    from model.loop import lr_at, make_optimizer, resolve_dtype
     from model.metrics import evaluate
     from model.modeling import Steerling
     from model.objectives import compute_losses
@@ -201,7 +201,8 @@ def _worker(config: dict) -> None:
     device = torch.device(f"cuda:{ctx.get_local_rank()}" if use_gpu else "cpu")
     if use_gpu:
         torch.cuda.set_device(device)
-    bf16 = tcfg.dtype == "bf16" and use_gpu  # CPU runs fp32: bf16 matmuls are slow on most CPUs
+    # CPU workers run fp32 (DeepSpeed's bf16 mode targets GPUs; most CPUs emulate bf16 slowly).
+    bf16 = use_gpu and resolve_dtype(tcfg.dtype, "cuda") == "bf16"
     micro = tcfg.batch_size // (world * dcfg.grad_accum)
     total = tcfg.total_steps
 

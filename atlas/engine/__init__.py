@@ -29,6 +29,7 @@ from atlas.engine.core import (
     ScoreError,
     TransformersBackend,
     VLLMBackend,
+    engine_dtype,
     expected_score,
     make_backend,
     metrics_delta,
@@ -44,6 +45,7 @@ __all__ = [
     "Backend",
     "EMBEDDED",
     "Engine",
+    "engine_dtype",
     "EngineActor",
     "GenerationCache",
     "GenerationStats",
@@ -91,7 +93,7 @@ class Engine:
         self.model_dir = self.model if cfg.backend == "test" else resolve_model(self.model)
         self.instruct = is_instruct(self.model) and cfg.backend != "test"
         # The cache key's model id: what was asked for and how it is served.
-        self.model_id = f"{self.model}|{cfg.backend}|{cfg.dtype}"
+        self.model_id = f"{self.model}|{cfg.backend}|{engine_dtype(cfg)}"
 
     @property
     def chat_template(self) -> Callable[[list[dict]], str] | None:

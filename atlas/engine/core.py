@@ -245,10 +245,24 @@ def apply_cpu_env(cfg: EngineConfig) -> None:
     if cfg.device == "cpu":
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(cfg.kv_cache_gib))))
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        # One CPU worker needs no engine-core and worker processes of its own: in-process the
+        # engine starts in about half the time (no second and third import of torch + vLLM),
+        # steps without IPC, and leaves no child process behind when its actor dies.
+        if cfg.tensor_parallel_size == 1:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if cfg.cpu_threads:
             # Same rule as the Ray actor's environment (runner.actor_resources): vLLM binds
             # host cores minus the reserved ones.
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(max(0, (os.cpu_count() or 1) - cfg.cpu_threads))
+
+
+def engine_dtype(cfg: EngineConfig) -> str:
+    """The dtype the engine computes in (see ``EngineConfig.dtype``)."""
+    if cfg.dtype is not None:
+        return cfg.dtype
+    from atlas.hardware import native_bf16
+
+    return "bfloat16" if cfg.device == "gpu" or native_bf16("cpu") else "float32"
 
 
 def kv_block_size(cfg: EngineConfig) -> int | None:
@@ -314,7 +328,7 @@ class VLLMBackend(Backend):
         kwargs: dict[str, Any] = dict(
             model=model_dir,
             tokenizer=model_dir,
-            dtype=cfg.dtype,
+            dtype=engine_dtype(cfg),
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
             enforce_eager=cfg.enforce_eager,
@@ -447,7 +461,7 @@ class TransformersBackend(Backend):
 
         t0 = time.perf_counter()
         self.torch = torch
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(cfg.dtype, "auto")
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(engine_dtype(cfg), "auto")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
