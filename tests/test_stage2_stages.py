@@ -1,20 +1,19 @@
 """Stage 2's runner stages chained on a real local Ray cluster, publishing to the local
 S3-compatible server (moto on 127.0.0.1).
 
-The runner's StageContext (issue 8, atlas/stage.py) may not be merged yet; ``Ctx`` below is
-the minimal context of the interface in HELPERS.md over atlas.storage, so these stages are
-exercised against that contract. Labelling uses the deterministic labeller behind an
-engine-shaped object (the real engine is covered by test_labelling_through_the_real_engine).
+The stages get the runner's own StageContext; labelling uses the deterministic labeller
+behind an engine-shaped object (the real engine is covered by
+test_labelling_through_the_real_engine).
 """
 
 from __future__ import annotations
 
-import pyarrow as pa
 import pytest
 
 from atlas import schemas, storage
 from atlas.config import RunConfig, StorageConfig
 from atlas.engine import GenerationStats
+from atlas.stage import StageContext
 from atlas.stage2 import stages
 from tests.stage2_fixtures import TOPICS, chunk_tags_for, chunks_for, make_labeller
 
@@ -30,24 +29,8 @@ class _Engine:
         return self.labeller(reqs), GenerationStats(rows=reqs.num_rows)
 
 
-class Ctx:
-    def __init__(self, root, cfg):
-        self.root, self.cfg, self.run_id = root, cfg, "test"
-        self.published: dict[str, int] = {}
-
-    def read(self, table):
-        return storage.read_dataset(self.root, table)
-
-    def read_table(self, table, columns=None):
-        return storage.read_table(self.root, table, columns=columns)
-
-    def publish(self, table, data, schema=None):
-        if isinstance(data, pa.Table):
-            info = storage.write_table(self.root, table, data)
-        else:
-            info = storage.write_dataset(self.root, table, data, schema=schema)
-        self.published[table] = info["rows"]
-        return info
+class Ctx(StageContext):
+    """The runner's context; only the engine is the deterministic labeller."""
 
     def engine(self, model=None):
         return _Engine()
@@ -65,7 +48,7 @@ def test_stage2_stages_publish_to_s3(ray_cluster, s3_server, s3_client):
     ct = chunk_tags_for(TOPICS, chunks_per_topic=6)
     storage.write_table(root, "chunk_tags", ct)
     storage.write_table(root, "chunks", chunks_for(ct))
-    ctx = Ctx(root, cfg)
+    ctx = Ctx(root, cfg, run_id="test")
     order = [s for s in stages.STAGES if s.enabled(cfg)]
     assert [s.name for s in order] == ["stage2_embed", "stage2_cluster", "stage2_quality", "stage2_label", "stage2_concepts"]
     stats = {}

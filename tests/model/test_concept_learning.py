@@ -8,21 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import concept_learning as cl  # noqa: E402
 
 STEPS = 300
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # one thread: on a shared, oversubscribed CPU two spinning threads run slower than one
-    torch.set_num_threads(1)
-    yield
 
 
 @pytest.fixture(scope="module")
