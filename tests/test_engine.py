@@ -60,6 +60,10 @@ def test_request_hash_covers_model_prompt_and_sampling():
     assert base != request_hash("m", "p ", s)
     assert base != request_hash("m", "p", Sampling(max_tokens=9, json_schema=prompts.tag_schema(6)))
     assert base != request_hash("m", "p", Sampling(max_tokens=8, json_schema=prompts.tag_schema(5)))
+    # free JSON whitespace changes what a small model writes; it only matters for a JSON answer
+    assert base != request_hash("m", "p", Sampling(max_tokens=8, json_schema=prompts.tag_schema(6), json_whitespace=True))
+    assert Sampling.from_key(Sampling(max_tokens=8, json_schema={}, json_whitespace=True).key()).json_whitespace
+    assert "json_whitespace" not in Sampling(max_tokens=8).key()
     # no ambiguity from concatenation
     assert request_hash("ab", "c", s) != request_hash("a", "bc", s)
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 def _cmd(corpus, out, tokenizer, delay: float) -> list[str]:
     sets = [
         f"chunking.tokenizer={tokenizer}", "engine.backend=test", "engine.batch_size=4", "engine.cpus_per_replica=0.5",
-        f"engine.test_delay_s={delay}", "judge.enabled=false", "ray.num_cpus=2", "ray.object_store_memory_mb=300",
+        f"engine.test_delay_s={delay}", "judge.enabled=false", "stage2.enabled=false", "stage3.enabled=false", "ray.num_cpus=2", "ray.object_store_memory_mb=300",
     ]
     args = [sys.executable, "-m", "atlas.cli", "run", "--input", str(corpus), "--output", str(out)]
     for s in sets:

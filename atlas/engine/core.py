@@ -38,6 +38,9 @@ class Sampling:
     choice: tuple[str, ...] | None = None
     # Score these answers by the model's probabilities instead of sampling (see module doc).
     score_choices: tuple[str, ...] | None = None
+    # Free whitespace between the JSON tokens of a json_schema answer (off: small models
+    # otherwise fill max_tokens with newlines before closing the object).
+    json_whitespace: bool = False
 
     def __post_init__(self) -> None:
         sc = self.score_choices
@@ -55,6 +58,8 @@ class Sampling:
                 d[k] = list(d[k])
         if d["score_choices"] is None:
             del d["score_choices"]  # keys of plain generations stay as they were (caches stay valid)
+        if d["json_schema"] is None:
+            del d["json_whitespace"]  # only a JSON answer depends on it
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -378,7 +383,7 @@ class VLLMBackend(Backend):
 
         so = None
         if sampling.json_schema is not None:
-            so = StructuredOutputsParams(json=sampling.json_schema)
+            so = StructuredOutputsParams(json=sampling.json_schema, disable_any_whitespace=not sampling.json_whitespace)
         elif sampling.choice is not None:
             so = StructuredOutputsParams(choice=list(sampling.choice))
         return SamplingParams(
@@ -490,7 +495,7 @@ class TransformersBackend(Backend):
             return None
         comp = self._compiler()
         if sampling.json_schema is not None:
-            g = comp.compile_json_schema(json.dumps(sampling.json_schema), any_whitespace=False)
+            g = comp.compile_json_schema(json.dumps(sampling.json_schema), any_whitespace=sampling.json_whitespace)
         else:
             alts = " | ".join(json.dumps(c) for c in sampling.choice)  # type: ignore[union-attr]
             g = comp.compile_grammar(f"root ::= {alts}")

@@ -61,6 +61,8 @@ def kmeans_fit(x: np.ndarray, k: int, niter: int = 20, nredo: int = 1, seed: int
             x.shape[1], k, niter=niter, seed=seed + r, spherical=True, gpu=gpu, verbose=False,
             # We already sampled; let FAISS use all of it instead of subsampling again.
             max_points_per_centroid=max(256, -(-len(train) // k)),
+            # Small tag sets (a few per cluster) are expected; FAISS would print a warning per fit.
+            min_points_per_centroid=1,
         )
         km.train(train, init_centroids=normalize(init))
         obj = float(km.obj[-1]) if len(km.obj) else 0.0

@@ -147,7 +147,7 @@ def train_annotator(kind: str, data: LabelledChunks, s3: Stage3Config, features:
     train, val = split == "train", split == "val"
     head, stats = fit_head(cfg, x[train], data.y[train], s3)
     ann = Annotator(cfg, head)
-    th = calibrate_thresholds(ann.scores_from_features(x[val]), data.y[val], min_positives=1)
+    th = calibrate_thresholds(ann.scores_from_features(x[val]), data.y[val], min_positives=s3.calibration_min_positives)
     # Concepts the teacher used too rarely get a threshold above 1: never predicted.
     support = data.y[train].sum(0) + data.y[val].sum(0)
     th[support < s3.min_concept_chunks] = 1.01
