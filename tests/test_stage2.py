@@ -326,3 +326,28 @@ def test_hdbscan_noise_is_dropped_with_reason():
     cl = {r["cluster_id"]: r for r in cluster.summarize(tc, e, c.min_cluster_tags, c.min_coherence).to_pylist()}
     assert -1 in cl and not cl[-1]["kept"] and cl[-1]["drop_reason"].startswith("noise: HDBSCAN")
     assert all(cl[i]["kept"] and 15 <= cl[i]["n_tags"] <= 26 for i in range(3)), cl
+
+
+def test_example_candidates_reduced_per_batch_pick_the_same_examples():
+    """stage2_label filters chunk_tags per Ray Data batch (candidate_rows) before picking
+    examples: the picks equal those from the whole table, and each batch keeps <= n per tag."""
+    from atlas.stage2 import label
+
+    clusters = pa.table({"cluster_id": pa.array([0, 1, 2], pa.int32()), "kept": [True, True, False],
+                         "representative_tags": [["rivers", "lakes"], ["opera"], ["noise"]]})
+    rows = [(f"c{i:03d}", tags) for i, tags in enumerate(
+        [["rivers"], ["opera", "lakes"], ["noise"], ["lakes"], ["rivers", "opera"], ["opera"], ["rivers"]] * 3)]
+    chunk_tags = pa.table({"chunk_id": [r[0] for r in rows], "tags": [r[1] for r in rows]})
+    chunks = pa.table({"chunk_id": [r[0] for r in rows], "text": [f"text of {r[0]}" for r in rows]})
+    whole = label.example_chunks(clusters, chunk_tags, chunks, 2, 100)
+    wanted = label.example_tags(clusters)
+    assert wanted == ["lakes", "opera", "rivers"]  # the dropped cluster's tags are not wanted
+    batches = [label.candidate_rows(chunk_tags.slice(i, 5), wanted, 2) for i in range(0, chunk_tags.num_rows, 5)]
+    for b in batches:
+        per_tag = {}
+        for t in b.column("tags").to_pylist():
+            per_tag[t[0]] = per_tag.get(t[0], 0) + 1
+        assert max(per_tag.values()) <= 2 and "noise" not in per_tag
+    reduced = pa.concat_tables(batches)
+    assert label.example_chunks(clusters, reduced, chunks, 2, 100) == whole
+    assert whole == {0: ["text of c000", "text of c004"], 1: ["text of c001", "text of c004"]}

@@ -34,6 +34,33 @@ def engine_labeller(engine, cache_root=None, use_cache: bool = True) -> Labeller
     return call
 
 
+def example_tags(clusters: pa.Table) -> list[str]:
+    """The tags whose chunks may serve as examples: the first three representative tags of
+    every kept cluster."""
+    kept = clusters.filter(clusters.column("kept"))
+    return sorted({t for r in kept.column("representative_tags").to_pylist() for t in r[:3]})
+
+
+def candidate_rows(batch: pa.Table, wanted: list[str], n: int) -> pa.Table:
+    """One ``chunk_tags`` batch reduced to what :func:`example_chunks` can pick from it: per
+    wanted tag, its ``n`` smallest chunk ids (as rows with that one tag). Applied per batch in
+    Ray Data, so the driver receives at most n rows per tag and batch, never the table."""
+    flat = pa.table(
+        {
+            "chunk_id": pc.take(batch.column("chunk_id"), pc.list_parent_indices(batch.column("tags"))),
+            "tag": pc.list_flatten(batch.column("tags")),
+        }
+    )
+    flat = flat.filter(pc.is_in(flat.column("tag"), pa.array(wanted, pa.string()))).sort_by([("tag", "ascending"), ("chunk_id", "ascending")])
+    ids, tags, seen = [], [], {}
+    for cid, tag in zip(flat.column("chunk_id").to_pylist(), flat.column("tag").to_pylist()):
+        if seen.get(tag, 0) < n:
+            seen[tag] = seen.get(tag, 0) + 1
+            ids.append(cid)
+            tags.append([tag])
+    return pa.table({"chunk_id": pa.array(ids, pa.string()), "tags": pa.array(tags, pa.list_(pa.string()))})
+
+
 def example_chunks(clusters: pa.Table, chunk_tags: pa.Table, chunks: pa.Table, n: int, max_chars: int) -> dict[int, list[str]]:
     """Up to ``n`` example passages per kept cluster: chunks (smallest ids first) carrying its
     representative tags, best-ranked tag first."""
@@ -41,19 +68,10 @@ def example_chunks(clusters: pa.Table, chunk_tags: pa.Table, chunks: pa.Table, n
         return {}
     kept = clusters.filter(clusters.column("kept"))
     reps = {int(c): r for c, r in zip(kept.column("cluster_id").to_pylist(), kept.column("representative_tags").to_pylist())}
-    wanted = sorted({t for r in reps.values() for t in r[:3]})
-    flat = pa.table(
-        {
-            "chunk_id": pc.take(chunk_tags.column("chunk_id"), pc.list_parent_indices(chunk_tags.column("tags"))),
-            "tag": pc.list_flatten(chunk_tags.column("tags")),
-        }
-    )
-    flat = flat.filter(pc.is_in(flat.column("tag"), pa.array(wanted, pa.string()))).sort_by([("tag", "ascending"), ("chunk_id", "ascending")])
+    flat = candidate_rows(chunk_tags, example_tags(clusters), n)
     by_tag: dict[str, list[str]] = {}
-    for cid, tag in zip(flat.column("chunk_id").to_pylist(), flat.column("tag").to_pylist()):
-        lst = by_tag.setdefault(tag, [])
-        if len(lst) < n:
-            lst.append(cid)
+    for cid, tags in zip(flat.column("chunk_id").to_pylist(), flat.column("tags").to_pylist()):
+        by_tag.setdefault(tags[0], []).append(cid)
     need = {c for lst in by_tag.values() for c in lst}
     sub = chunks.filter(pc.is_in(chunks.column("chunk_id"), pa.array(sorted(need), pa.string())))
     text_of = dict(zip(sub.column("chunk_id").to_pylist(), sub.column("text").to_pylist()))

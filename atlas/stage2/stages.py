@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from atlas import schemas, storage
 from atlas.stage2 import embed, label, pipeline, quality, taxonomy
@@ -84,12 +85,32 @@ class LabelClusters(_Stage2):
         s2 = ctx.cfg.stage2
         engine = ctx.engine(s2.label_model)
         clusters = ctx.read_table("clusters")
-        chunk_tags = ctx.read_table("chunk_tags", columns=["chunk_id", "tags"])
-        chunks = ctx.read_table("chunks", columns=["chunk_id", "text"])
+        chunk_tags, chunks = example_candidates(ctx, clusters, s2.label_examples)
         labeller = label.engine_labeller(engine, ctx.root, s2.cache)
         labels, stats = pipeline.step_label(clusters, chunk_tags, chunks, labeller, s2, engine.model, engine.chat_template, ctx.cfg.engine.seed)
         ctx.publish("cluster_labels", labels, schemas.CLUSTER_LABELS)
         return stats
+
+
+def example_candidates(ctx, clusters: pa.Table, n: int) -> tuple[pa.Table, pa.Table]:
+    """The few chunk_tags rows and chunk texts the labeller's examples come from, filtered
+    inside Ray Data (``chunk_tags`` and ``chunks`` never reach the driver whole)."""
+    import ray
+
+    empty = (pa.table({"chunk_id": pa.array([], pa.string()), "tags": pa.array([], pa.list_(pa.string()))}),
+             pa.table({"chunk_id": pa.array([], pa.string()), "text": pa.array([], pa.string())}))
+    wanted = label.example_tags(clusters)
+    if n <= 0 or not wanted:
+        return empty
+    cand = ctx.read("chunk_tags").select_columns(["chunk_id", "tags"]).map_batches(
+        label.candidate_rows, fn_kwargs={"wanted": wanted, "n": n}, batch_format="pyarrow")
+    parts = ray.get(cand.to_arrow_refs())
+    chunk_tags = pa.concat_tables(parts) if parts else empty[0]
+    need = pa.array(sorted(set(chunk_tags.column("chunk_id").to_pylist())), pa.string())
+    texts = ctx.read("chunks").select_columns(["chunk_id", "text"]).map_batches(
+        lambda b: b.filter(pc.is_in(b.column("chunk_id"), value_set=need)), batch_format="pyarrow")
+    parts = ray.get(texts.to_arrow_refs())
+    return chunk_tags, (pa.concat_tables(parts) if parts else empty[1])
 
 
 class BuildConcepts(_Stage2):
