@@ -64,6 +64,9 @@ def test_request_hash_covers_model_prompt_and_sampling():
     assert base != request_hash("m", "p", Sampling(max_tokens=8, json_schema=prompts.tag_schema(6), json_whitespace=True))
     assert Sampling.from_key(Sampling(max_tokens=8, json_schema={}, json_whitespace=True).key()).json_whitespace
     assert "json_whitespace" not in Sampling(max_tokens=8).key()
+    # the schema's property order survives the key (the grammar emits properties in that order)
+    obj = {"type": "object", "properties": {"name": {"type": "string"}, "description": {"type": "string"}}}
+    assert list(Sampling.from_key(Sampling(max_tokens=8, json_schema=obj).key()).json_schema["properties"]) == ["name", "description"]
     # no ambiguity from concatenation
     assert request_hash("ab", "c", s) != request_hash("a", "bc", s)
 

@@ -60,11 +60,17 @@ class Sampling:
             del d["score_choices"]  # keys of plain generations stay as they were (caches stay valid)
         if d["json_schema"] is None:
             del d["json_whitespace"]  # only a JSON answer depends on it
+        else:
+            # As text, in its own key order: the grammar emits object properties in schema
+            # order, so sorting them (sort_keys below) would change the answer's shape.
+            d["json_schema"] = json.dumps(self.json_schema, separators=(",", ":"))
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_key(cls, key: str) -> "Sampling":
         d = json.loads(key)
+        if isinstance(d.get("json_schema"), str):
+            d["json_schema"] = json.loads(d["json_schema"])
         for k in ("choice", "score_choices"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])

@@ -34,7 +34,9 @@ LABEL_EXAMPLES: list[tuple[list[str], str, dict[str, str]]] = [
 ]
 
 
-def label_schema(max_name_chars: int = 60, max_description_chars: int = 240) -> dict[str, Any]:
+def label_schema(max_name_chars: int = 60, max_description_chars: int = 160) -> dict[str, Any]:
+    # 160 characters (~40 tokens) plus a name fit stage2.label_max_new_tokens (96): a small
+    # model that rambles is cut by the grammar, not by the token budget mid-string.
     return {
         "type": "object",
         "properties": {
