@@ -30,14 +30,15 @@ def _blind_export(args) -> int:
     from atlas.config import StorageConfig
     from atlas.stage2 import validate
 
-    root = storage.resolve(args.run, StorageConfig(s3_endpoint=args.s3_endpoint))
+    scfg = StorageConfig(s3_endpoint=args.s3_endpoint)
+    root = storage.resolve(args.run, scfg)
     concepts = storage.read_table(root, "concepts", columns=["concept_id", "name", "representative_tags", "taxonomy_class", "embedding"])
     sheet, key = validate.export_sheet(concepts, n=args.n, seed=args.seed)
     if args.llm_rate:
         from atlas.config import EngineConfig
         from atlas.engine import Engine
 
-        sheet = validate.llm_rate(sheet, Engine(EngineConfig(), model=args.model), cache_root=root)
+        sheet = validate.llm_rate(sheet, Engine(EngineConfig(), model=args.model, storage_cfg=scfg), cache_root=root)
     pcsv.write_csv(sheet, f"{args.out}.sheet.csv")
     pcsv.write_csv(key, f"{args.out}.key.csv")
     print(f"wrote {args.out}.sheet.csv ({sheet.num_rows} items) and {args.out}.key.csv (keep the key from raters)")

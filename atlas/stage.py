@@ -265,7 +265,7 @@ class StageContext:
         """The LLM engine for ``model`` (default ``engine.model``); heavy parts start in actors."""
         from atlas.engine import Engine
 
-        return Engine(self.cfg.engine, model=model)
+        return Engine(self.cfg.engine, model=model, storage_cfg=self.cfg.storage)
 
     def progress(self, desc: str, total: int | None = None) -> console.NullProgress:
         """A console progress bar (rich) - ``advance(n)``, ``update(total=)``, ``close()``."""
@@ -422,9 +422,7 @@ class LLMStage(BaseStage):
         job = self.bind(ctx)
         expected = job.expected_rows(ctx)
         reqs = job.source(ctx).map_batches(job._requests, batch_format="pyarrow", zero_copy_batch=True)
-        answered = job.engine.stream(
-            reqs, cache_root=ctx.root, use_cache=self.use_cache(ctx.cfg), storage_cfg=ctx.cfg.storage, expected_rows=expected
-        )
+        answered = job.engine.stream(reqs, cache_root=ctx.root, use_cache=self.use_cache(ctx.cfg), expected_rows=expected)
         rows = answered.map_batches(job._parse, batch_format="pyarrow", zero_copy_batch=True)
         out = self.outputs[0]
         pub = ctx.publish(out, rows, self.output_schema, desc=f"{self.name} → {out}", total=expected, max_error_rate=self.max_error_rate(ctx.cfg))

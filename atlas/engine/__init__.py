@@ -86,9 +86,11 @@ class Engine:
     """A model spec + engine config. Cheap to create: the heavy engine starts only inside Ray
     actors, and only for requests that are not cached."""
 
-    def __init__(self, cfg: EngineConfig, model: str | None = None):
+    def __init__(self, cfg: EngineConfig, model: str | None = None, storage_cfg=None):
         self.cfg = cfg
         self.model = model or cfg.model
+        # How the engine actors reach a cache on S3 (endpoint, region): the run's storage config.
+        self.storage_cfg = storage_cfg
         # The test backend (atlas.engine.testing) loads no model: nothing to prepare.
         self.model_dir = self.model if cfg.backend == "test" else resolve_model(self.model)
         self.instruct = is_instruct(self.model) and cfg.backend != "test"
@@ -102,9 +104,10 @@ class Engine:
         return _chat_template(self.model_dir) if self.instruct else None
 
     def generate(self, requests: pa.Table, cache_root: Location | None = None, use_cache: bool = True) -> tuple[pa.Table, GenerationStats]:
-        """A small in-memory request table through the engine (benchmarks, notebooks)."""
-        return generate(requests, self.cfg, self.model_dir, self.model_id, cache_root=cache_root, use_cache=use_cache)
+        """A small in-memory request table through the engine (labels, picks, benchmarks)."""
+        return generate(requests, self.cfg, self.model_dir, self.model_id, cache_root=cache_root, use_cache=use_cache,
+                        storage_cfg=self.storage_cfg)
 
-    def stream(self, requests, cache_root: Location | None = None, use_cache: bool = True, storage_cfg=None, expected_rows: int | None = None):
+    def stream(self, requests, cache_root: Location | None = None, use_cache: bool = True, expected_rows: int | None = None):
         """A request Ray Dataset -> answered Dataset (see :func:`stream_generate`)."""
-        return stream_generate(requests, self.cfg, self.model_dir, self.model_id, cache_root, use_cache, storage_cfg, expected_rows)
+        return stream_generate(requests, self.cfg, self.model_dir, self.model_id, cache_root, use_cache, self.storage_cfg, expected_rows)
