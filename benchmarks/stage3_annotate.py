@@ -111,7 +111,7 @@ def main() -> int:
             t0 = time.perf_counter()
             ann, info = train.train_annotator(kind, data, s3)
             test = info["split"] == "test"
-            pred = ann.decide(ann.scores_from_features(info["features"][test]))
+            pred = ann.decide(info["test_scores"])
             results[kind] = evaluate.evaluate(pred, data.y[test].astype(bool), n_boot=args.boot)
             anns[kind] = ann
             stats[kind] = {**info["stats"], "wall_seconds": round(time.perf_counter() - t0, 1)}

@@ -68,7 +68,7 @@ def _train_and_check(kind: str, s3: Stage3Config, n: int, min_f1: float, tmp_pat
     ann, info = train.train_annotator(kind, data, s3)
     assert info["stats"]["concepts_never_predicted"] == 1 and ann.cfg.thresholds[data.concept_ids.index("c-rare")] > 1
     test = info["split"] == "test"
-    pred = ann.decide(ann.scores_from_features(info["features"][test]))
+    pred = ann.decide(info["test_scores"])
     res = evaluate.evaluate(pred, data.y[test].astype(bool), n_boot=100)
     assert res["annotator"]["micro_f1"] >= min_f1, res["annotator"]
     assert res["annotator"]["micro_f1"] > res["random_control"]["micro_f1"] + 0.3
