@@ -147,7 +147,8 @@ def fit_head(cfg: AnnotatorConfig, feats: Any, s3: Stage3Config, storage_path: s
     from ray.train.torch import TorchConfig, TorchTrainer
     from safetensors.torch import load_file
 
-    ds = feats.map_batches(_train_rows, batch_format="numpy")
+    # Materialised once (object store): every epoch re-reads these blocks instead of re-running the filter.
+    ds = feats.map_batches(_train_rows, batch_format="numpy").materialize()
     storage_path = storage_path or tempfile.mkdtemp(prefix="atlas-stage3-train-")
     trainer = TorchTrainer(
         _train_loop,
