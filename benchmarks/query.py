@@ -1,17 +1,19 @@
 """Query speed: a concept filter + group-by over synthetic annotation rows, atlas.query vs DuckDB.
 
-Writes N (default 10M) synthetic ``annotations``-shaped rows (chunk_id, doc_id, source,
-concept_ids list<int32>, concept_scores list<float32>, library_version; the text column is
-left out to keep the files ~1 GB smaller: the query does not read it and Parquet is columnar)
-as a published table of a run, then times, warm (one untimed run first), median of 5:
+Writes N (default 10M) synthetic ``annotations`` rows as a published table of a run, laid
+out exactly as the annotation job lays them out (``stage3.rows_per_part`` id buckets, one
+part per (source, bucket) under ``source=<s>/``, sorted by chunk_id, written by the job's
+``write_group``: same compression, dictionaries, row groups). ``text`` is left empty to keep
+the files GBs smaller (the query never reads it; Parquet is columnar). Then times, warm (one
+untimed run first), median of 5, both engines on 2 threads, the same files and semantics:
 
   (a) atlas.query.sql(run, SQL)           polars SQL over the run's tables
   (b) atlas.query.scan(run, ...) LazyFrame the Python API
   (c) DuckDB on the same Parquet files    the baseline
 
-Query: chunks carrying concept 7, per source: count and mean score of the concept.
+Query: chunks carrying concept 7, counted per source.
 Targets (issue 10): (a) < 1 s and <= 1.25x DuckDB. Results are checked equal.
-Run:  python benchmarks/query.py [--rows 10000000] [--dir /tmp/atlas-query-bench]
+Run:  python benchmarks/query.py [--rows 10000000] [--rows-per-part N] [--dir /tmp/atlas-query-bench]
 """
 
 from __future__ import annotations
