@@ -213,13 +213,35 @@ def annotate(
 
 
 def verify_and_publish(root: storage.Location, out: storage.Location, n_rows: int, meta: dict[str, Any]) -> dict[str, Any]:
-    """Check every chunk is present exactly once, write the manifest, publish the table."""
-    ids = pq.read_table(out.path, filesystem=out.fs, columns=["chunk_id", "source"], partitioning=None)
-    total = ids.num_rows
-    distinct = len(pa.compute.unique(ids.column("chunk_id")))
-    if total != n_rows or distinct != total:
-        raise AnnotateError(f"annotations at {out.uri}: {total} rows, {distinct} distinct chunk ids, expected {n_rows} unique")
-    per_source = {r["values"]: r["counts"] for r in pa.compute.value_counts(ids.column("source")).to_pylist()}
+    """Check every chunk is present exactly once, write the manifest, publish the table.
+
+    Checked one bucket at a time (the ids of one bucket's parts, all sources, are in memory
+    at once, never the whole table): within a bucket the chunk ids are distinct and all hash
+    to that bucket, so no id can repeat across buckets either; the rows add up to ``n_rows``.
+    """
+    buckets = int(meta["buckets"])
+    by_bucket: dict[int, list[str]] = {}
+    for (_, b), path in written_parts(out, buckets, clean_temp=False).items():
+        by_bucket.setdefault(b, []).append(path)
+    total, per_source = 0, {}
+    for b, paths in sorted(by_bucket.items()):
+        ids = []
+        for path in paths:
+            t = pq.read_table(path, filesystem=out.fs, columns=["chunk_id", "source"])
+            if t.num_rows:
+                src = t.column("source")[0].as_py()
+                per_source[src] = per_source.get(src, 0) + t.num_rows
+            ids.append(t.column("chunk_id").combine_chunks())
+        ids = pa.concat_arrays(ids) if ids else pa.array([], pa.string())
+        distinct = len(pa.compute.unique(ids))
+        if distinct != len(ids):
+            raise AnnotateError(f"annotations at {out.uri}: bucket {b} holds {len(ids)} rows but {distinct} distinct chunk ids")
+        stray = np.flatnonzero(bucket_of(ids.to_pylist(), buckets) != b)
+        if len(stray):
+            raise AnnotateError(f"annotations at {out.uri}: chunk {ids[int(stray[0])].as_py()!r} is in bucket {b}'s parts but hashes to another bucket")
+        total += len(ids)
+    if total != n_rows:
+        raise AnnotateError(f"annotations at {out.uri}: {total} rows, expected {n_rows} unique")
     manifest = {**meta, "rows": total, "rows_per_source": per_source, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     storage.write_json_atomic(out.join(MANIFEST), manifest)
     pointer = storage.publish(root, TABLE, out, total)
