@@ -198,10 +198,10 @@ class Stage3Config(_Section):
     cpus_per_train_worker: float = Field(default=1.0, gt=0)
     seed: int = 0
     max_concepts_per_chunk: int = Field(default=32, ge=1, description="Keep at most this many concepts per chunk (highest scores).")
-    rows_per_part: int = Field(default=2000, ge=1, description="Annotation: target rows per Parquet part (sets the number of id buckets).")
+    rows_per_part: int = Field(default=250_000, ge=1, description="Annotation: target rows per Parquet part (sets the number of id buckets; parts hold about rows_per_part / sources rows: large parts keep queries fast, small ones lose less work to a kill).")
     actors: int = Field(default=1, ge=1, description="Annotation: annotator actors (each loads the model once).")
     cpus_per_actor: float = Field(default=1.0, gt=0)
-    inference_batch_size: int = Field(default=256, ge=1)
+    inference_batch_size: int = Field(default=4096, ge=1, description="Annotation: chunks per annotator call (featurising and decisions are vectorised per batch).")
 
     @model_validator(mode="after")
     def _splits(self) -> "Stage3Config":

@@ -1,22 +1,25 @@
 """Query speed: a concept filter + group-by over synthetic annotation rows, atlas.query vs DuckDB.
 
-Writes N (default 10M) synthetic ``annotations``-shaped rows (chunk_id, doc_id, source,
-concept_ids list<int32>, concept_scores list<float32>, library_version; the text column is
-left out to keep the files ~1 GB smaller: the query does not read it and Parquet is columnar)
-as a published table of a run, then times, warm (one untimed run first), median of 5:
+Writes N (default 10M) synthetic ``annotations`` rows as a published table of a run, laid
+out exactly as the annotation job lays them out (``stage3.rows_per_part`` id buckets, one
+part per (source, bucket) under ``source=<s>/``, sorted by chunk_id, written by the job's
+``write_group``: same compression, dictionaries, row groups). ``text`` is left empty to keep
+the files GBs smaller (the query never reads it; Parquet is columnar). Then times, warm (one
+untimed run first), median of 5, both engines on 2 threads, the same files and semantics:
 
   (a) atlas.query.sql(run, SQL)           polars SQL over the run's tables
   (b) atlas.query.scan(run, ...) LazyFrame the Python API
   (c) DuckDB on the same Parquet files    the baseline
 
-Query: chunks carrying concept 7, per source: count and mean score of the concept.
+Query: chunks carrying concept 7, counted per source.
 Targets (issue 10): (a) < 1 s and <= 1.25x DuckDB. Results are checked equal.
-Run:  python benchmarks/query.py [--rows 10000000] [--dir /tmp/atlas-query-bench]
+Run:  python benchmarks/query.py [--rows 10000000] [--rows-per-part N] [--dir /tmp/atlas-query-bench]
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import statistics
 import sys
@@ -34,39 +37,51 @@ GROUP BY source ORDER BY source
 """
 
 
-def make_table(root_dir: str, rows: int, files: int, seed: int = 0) -> str:
-    """Publish ``rows`` synthetic annotation rows under ``root_dir`` (reused if already there)."""
+def make_table(root_dir: str, rows: int, rows_per_part: int, seed: int = 0) -> str:
+    """Publish ``rows`` synthetic annotation rows under ``root_dir`` (reused if already there),
+    laid out exactly as the annotation job writes them: ``B = ceil(rows / rows_per_part)`` id
+    buckets, one part per (source, bucket) under ``source=<s>/``, rows sorted by chunk_id,
+    written by the job's own :func:`atlas.stage3.annotate.write_group`."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     from atlas import storage
+    from atlas.stage3 import annotate as job
 
     root = storage.resolve(root_dir)
-    if storage.table_exists(root, "annotations") and storage.read_json(root.join("annotations", storage.POINTER))["rows"] == rows:
-        return root.uri
+    buckets = job.n_buckets(rows, rows_per_part)
+    if storage.table_exists(root, "annotations"):
+        ptr = storage.read_json(root.join("annotations", storage.POINTER))
+        if ptr["rows"] == rows and storage.read_json(storage.table_path(root, "annotations").join("_bench.json")).get("buckets") == buckets:
+            return root.uri
     version = storage.new_version(root, "annotations")
     rng = np.random.default_rng(seed)
-    per = rows // files
-    sources = pa.array([f"source-{i}" for i in range(8)])
-    for f in range(files):
-        n = per if f < files - 1 else rows - per * (files - 1)
-        start = f * per
-        k = rng.integers(1, 6, n)  # 1..5 concepts per chunk
-        offsets = np.r_[0, np.cumsum(k)].astype(np.int32)
-        ids = (rng.zipf(1.3, offsets[-1]) % 2000).astype(np.int32)  # a few frequent concepts, a long tail
-        scores = rng.random(offsets[-1], dtype=np.float32)
-        idx = pa.array(np.arange(start, start + n))
-        table = pa.table({
-            "chunk_id": pc.binary_join_element_wise("c", pc.cast(idx, pa.string()), ""),
-            "doc_id": pc.binary_join_element_wise("d", pc.cast(pc.divide(idx, 8), pa.string()), ""),
-            "source": sources.take(pa.array(rng.integers(0, 8, n))),
-            "concept_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)),
-            "concept_scores": pa.ListArray.from_arrays(pa.array(offsets), pa.array(scores)),
-            "library_version": pa.array(["lib-bench"] * n),
-        })
-        pq.write_table(table, version.join(f"part-{f:05d}.parquet").path, row_group_size=256 * 1024)
+    idx = np.arange(rows)
+    doc = idx // 8
+    chunk_id = pc.binary_join_element_wise(
+        "d", pc.utf8_lpad(pc.cast(pa.array(doc), pa.string()), 9, "0"), "-", pc.utf8_lpad(pc.cast(pa.array(idx % 8), pa.string()), 5, "0"), ""
+    )
+    bucket = np.concatenate([job.bucket_of(chunk_id.slice(i, 1_000_000).to_pylist(), buckets) for i in range(0, rows, 1_000_000)])
+    source = rng.integers(0, 8, doc[-1] + 1)[doc]  # a document's chunks share its source
+    k = rng.integers(1, 6, rows)  # 1..5 concepts per chunk
+    offsets = np.r_[0, np.cumsum(k)].astype(np.int32)
+    ids = (rng.zipf(1.3, offsets[-1]) % 2000).astype(np.int32)  # a few frequent concepts, a long tail
+    scores = rng.random(offsets[-1], dtype=np.float32)
+    table = pa.table({
+        "chunk_id": chunk_id, "doc_id": pc.binary_join_element_wise("d", pc.utf8_lpad(pc.cast(pa.array(doc), pa.string()), 9, "0"), ""),
+        "chunk_index": pa.array(idx % 8, pa.int32()), "source": pa.array([f"source-{i}" for i in range(8)]).take(pa.array(source)),
+        "text": pa.array([""] * rows, pa.string()),  # left empty: ~GBs less disk; the query never reads it (columnar)
+        "concept_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)),
+        "concept_scores": pa.ListArray.from_arrays(pa.array(offsets), pa.array(scores)),
+        "library_version": pa.array(["lib-bench"] * rows), "annotator": pa.array(["fast-lib-bench-0"] * rows), "bucket": pa.array(bucket),
+    })
+    order = np.argsort(source.astype(np.int64) * buckets + bucket, kind="stable")
+    key = (source * buckets + bucket)[order]
+    cuts = np.flatnonzero(np.diff(key)) + 1
+    for grp in np.split(order, cuts):
+        job.write_group(table.take(pa.array(grp)), version.uri, buckets)
+    storage.write_json_atomic(version.join("_bench.json"), {"buckets": buckets, "rows_per_part": rows_per_part})
     storage.publish(root, "annotations", version, rows)
     return root.uri
 
@@ -84,20 +99,26 @@ def timed(fn, repeats: int):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=10_000_000)
-    p.add_argument("--files", type=int, default=10)
+    p.add_argument("--rows-per-part", type=int, default=None, help="as stage3.rows_per_part (default: its default)")
     p.add_argument("--dir", default="/tmp/atlas-query-bench")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
+    threads = os.environ.setdefault("POLARS_MAX_THREADS", "2")  # before polars is imported
     import duckdb
     import polars as pl
+
+    from atlas.config import Stage3Config
 
     from atlas import query, storage
 
     print(f"load average at start: {os.getloadavg()}")
     t0 = time.perf_counter()
-    uri = make_table(args.dir, args.rows, args.files)
-    files = storage.table_path(storage.resolve(uri), "annotations").path + "/*.parquet"
-    print(f"{args.rows:,} rows in {args.files} Parquet files at {files} (ready in {time.perf_counter() - t0:.1f} s)")
+    rpp = args.rows_per_part or Stage3Config().rows_per_part
+    uri = make_table(args.dir, args.rows, rpp)
+    files = storage.table_path(storage.resolve(uri), "annotations").path + "/**/*.parquet"
+    n_files = len(glob.glob(files, recursive=True))
+    print(f"{args.rows:,} rows in {n_files} Parquet parts (rows_per_part {rpp:,}) at {files} (ready in {time.perf_counter() - t0:.1f} s)")
+    print(f"threads: polars {pl.thread_pool_size()}, duckdb {threads}")
 
     if "annotations" in query.tables(uri):
         def atlas_sql():
@@ -117,10 +138,10 @@ def main() -> int:
             .group_by("source").agg(pl.len().alias("n")).sort("source").collect()
         )
 
-    con = duckdb.connect()
+    con = duckdb.connect(config={"threads": int(threads)})
 
     def duck():
-        return con.sql(SQL.replace("FROM annotations", f"FROM read_parquet('{files}')").replace("array_contains", "list_contains")).pl()
+        return con.sql(SQL.replace("FROM annotations", f"FROM read_parquet('{files}', hive_partitioning=false)").replace("array_contains", "list_contains")).pl()
 
     results = {}
     for name, fn in (("atlas.query.sql (polars SQL)", atlas_sql), ("atlas.query.scan LazyFrame", atlas_lazy), ("duckdb", duck)):

@@ -1,16 +1,17 @@
 """Annotation at scale: chunks -> concept-labelled Parquet, partitioned by source, resumable.
 
 The job is a Ray Data pipeline. Every chunk is assigned to one of ``B`` buckets by a hash of
-its id (``B = ceil(rows / stage3.rows_per_part)``), and each (source, bucket) group is one
-unit of work: an annotator actor (model loaded once, in ``__init__``) annotates the group and
-writes it as ``source=<source>/part-b<bucket>-of-<B>.parquet`` in one atomic step (rename on
-a local disk, one PUT on S3). Part names are a pure function of the input, so a run killed
-at any point and restarted with the same command lists the parts already written, skips
-their groups before any annotation happens, and ends with every chunk exactly once.
+its id (``B = ceil(rows / stage3.rows_per_part)``). Chunks stream through an annotator actor
+pool (``map_batches``, model loaded once per actor, large batches, vectorised featurising and
+decisions); the annotated rows are then grouped by (source, bucket) and each group is
+written by a plain task as ``source=<source>/part-b<bucket>-of-<B>.parquet`` in one atomic
+step (rename on a local disk, one PUT on S3), sorted by ``chunk_id``. Part names are a pure
+function of the input, so a run killed at any point and restarted with the same command
+lists the parts already written, drops their rows before any annotation happens, and ends
+with every chunk exactly once.
 The output directory is a deterministic version of the ``annotations`` table (derived from
 the input and annotator versions); it is published (``_CURRENT``) only after the row count and
-the uniqueness of chunk ids have been verified.
-"""
+the uniqueness of chunk ids have been verified."""
 
 from __future__ import annotations
 
@@ -100,56 +101,51 @@ def written_parts(out: storage.Location, buckets: int, clean_temp: bool = True) 
     return done
 
 
+ROW_GROUP_ROWS = 128 * 1024
+
+
 def write_part_atomic(table: pa.Table, loc: storage.Location) -> None:
+    """One Parquet part, written whole (atomic). Layout chosen for the concept queries:
+    zstd, dictionary-encoded strings (``source``, ``library_version``, ``annotator`` are
+    constant within a part), row groups of ``ROW_GROUP_ROWS`` rows with statistics, so a
+    reader can skip or parallelise over row groups."""
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
+    pq.write_table(table, sink, row_group_size=ROW_GROUP_ROWS, compression="zstd", use_dictionary=True, write_statistics=True)
     if not loc.is_s3:
         loc.fs.create_dir(loc.path.rsplit("/", 1)[0], recursive=True)
     storage.write_bytes_atomic(loc, sink.getvalue().to_pybytes())
 
 
-class AnnotateGroup:
-    """Ray Data actor: loads the annotator once, annotates and writes one (source, bucket) group per call."""
+class AnnotateBatch:
+    """Ray Data actor: loads the annotator once, annotates large batches (vectorised)."""
 
-    def __init__(self, annotator_uri: str, out_uri: str, buckets: int, batch_size: int, storage_cfg: dict | None = None, threads: int = 1):
+    def __init__(self, annotator_uri: str, storage_cfg: dict | None = None, threads: int = 1):
         import torch
 
         from atlas.stage3.annotators import Annotator
 
         torch.set_num_threads(threads)
-        scfg = StorageConfig(**(storage_cfg or {}))
-        self.ann = Annotator.load(storage.resolve(annotator_uri, scfg))
-        self.out = storage.resolve(out_uri, scfg)
-        self.buckets = buckets
-        self.batch_size = batch_size
-        self.schema = annotations_schema()
+        self.ann = Annotator.load(storage.resolve(annotator_uri, StorageConfig(**(storage_cfg or {}))))
 
-    def __call__(self, group: pa.Table) -> pa.Table:
-        group = group.sort_by("chunk_id")
-        source = group.column("source")[0].as_py()
-        bucket = int(group.column("bucket")[0].as_py())
-        texts = group.column("text").to_pylist()
-        ids: list[list[int]] = []
-        scores: list[list[float]] = []
-        for i in range(0, len(texts), self.batch_size):
-            a, b = self.ann.annotate(texts[i : i + self.batch_size])
-            ids += a
-            scores += b
-        n = group.num_rows
-        table = pa.table(
-            {
-                "chunk_id": group.column("chunk_id"), "doc_id": group.column("doc_id"), "source": group.column("source"),
-                "chunk_index": group.column("chunk_index"),
-                "text": group.column("text"),
-                "concept_ids": pa.array(ids, pa.list_(pa.int32())), "concept_scores": pa.array(scores, pa.list_(pa.float32())),
-                "library_version": pa.array([self.ann.cfg.library_version] * n, pa.string()),
-                "annotator": pa.array([self.ann.cfg.version] * n, pa.string()),
-            }
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        offsets, ids, scores = self.ann.annotate_arrays(batch.column("text").to_pylist())
+        off = pa.array(offsets, pa.int32())
+        n = batch.num_rows
+        return batch.append_column("concept_ids", pa.ListArray.from_arrays(off, pa.array(ids, pa.int32()))).append_column(
+            "concept_scores", pa.ListArray.from_arrays(off, pa.array(scores, pa.float32()))
+        ).append_column("library_version", pa.array([self.ann.cfg.library_version] * n, pa.string())).append_column(
+            "annotator", pa.array([self.ann.cfg.version] * n, pa.string())
         )
-        table = schemas.conform(table, self.schema)
-        loc = self.out.join(f"source={safe_partition(source)}", part_name(bucket, self.buckets))
-        write_part_atomic(table, loc)
-        return pa.table({"source": [source], "bucket": [bucket], "rows": [n], "part": [loc.uri]})
+
+
+def write_group(group: pa.Table, out_uri: str, buckets: int, storage_cfg: dict | None = None) -> pa.Table:
+    """Write one (source, bucket) group of annotated rows as its part; returns one stats row."""
+    source = group.column("source")[0].as_py()
+    bucket = int(group.column("bucket")[0].as_py())
+    table = schemas.conform(group.sort_by("chunk_id"), annotations_schema())
+    loc = storage.resolve(out_uri, StorageConfig(**(storage_cfg or {}))).join(f"source={safe_partition(source)}", part_name(bucket, buckets))
+    write_part_atomic(table, loc)
+    return pa.table({"source": [source], "bucket": [bucket], "rows": [table.num_rows], "part": [loc.uri]})
 
 
 def _add_bucket(batch: pa.Table, buckets: int) -> pa.Table:
@@ -188,18 +184,25 @@ def annotate(
     skipped = 0
     if done:
         skipped = sum(pq.ParquetFile(p, filesystem=out.fs).metadata.num_rows for p in done.values())
+    import ray
+
     todo = ds.select_columns(["chunk_id", "doc_id", "chunk_index", "source", "text"]).map_batches(
         _add_bucket, fn_kwargs={"buckets": buckets}, batch_format="pyarrow"
     ).map_batches(_drop_done, fn_kwargs={"done": frozenset(done)}, batch_format="pyarrow")
-    written = todo.groupby(["source", "bucket"]).map_groups(
-        AnnotateGroup,
-        fn_constructor_kwargs={
-            "annotator_uri": annotator_uri, "out_uri": out.uri, "buckets": buckets, "batch_size": s3.inference_batch_size,
-            "storage_cfg": storage_cfg.model_dump() if storage_cfg else None, "threads": max(1, int(s3.cpus_per_actor)),
-        },
-        batch_format="pyarrow",
-        concurrency=s3.actors,
-        num_cpus=s3.cpus_per_actor,
+    scfg = storage_cfg.model_dump() if storage_cfg else None
+    # The actors' CPU reservation leaves at least one CPU to the read and shuffle tasks: an
+    # actor pool holding every CPU starves them (the job then never progresses). Each actor
+    # still runs cpus_per_actor torch threads.
+    total = float(ray.cluster_resources().get("CPU", 1))
+    reserve = max(0.1, min(s3.cpus_per_actor, (total - 1) / s3.actors))
+    annotated = todo.map_batches(
+        AnnotateBatch,
+        fn_constructor_kwargs={"annotator_uri": annotator_uri, "storage_cfg": scfg, "threads": max(1, int(s3.cpus_per_actor))},
+        batch_size=s3.inference_batch_size, batch_format="pyarrow", concurrency=s3.actors, num_cpus=reserve,
+    )
+    # Shuffle partitions: about one per bucket (Ray's default of 200 is mostly empty tasks here).
+    written = annotated.groupby(["source", "bucket"], num_partitions=max(1, min(64, buckets))).map_groups(
+        write_group, fn_kwargs={"out_uri": out.uri, "buckets": buckets, "storage_cfg": scfg}, batch_format="pyarrow",
     )
     parts = written.take_all() if n_rows - skipped > 0 else []
     annotated = sum(int(p["rows"]) for p in parts)
@@ -210,13 +213,35 @@ def annotate(
 
 
 def verify_and_publish(root: storage.Location, out: storage.Location, n_rows: int, meta: dict[str, Any]) -> dict[str, Any]:
-    """Check every chunk is present exactly once, write the manifest, publish the table."""
-    ids = pq.read_table(out.path, filesystem=out.fs, columns=["chunk_id", "source"], partitioning=None)
-    total = ids.num_rows
-    distinct = len(pa.compute.unique(ids.column("chunk_id")))
-    if total != n_rows or distinct != total:
-        raise AnnotateError(f"annotations at {out.uri}: {total} rows, {distinct} distinct chunk ids, expected {n_rows} unique")
-    per_source = {r["values"]: r["counts"] for r in pa.compute.value_counts(ids.column("source")).to_pylist()}
+    """Check every chunk is present exactly once, write the manifest, publish the table.
+
+    Checked one bucket at a time (the ids of one bucket's parts, all sources, are in memory
+    at once, never the whole table): within a bucket the chunk ids are distinct and all hash
+    to that bucket, so no id can repeat across buckets either; the rows add up to ``n_rows``.
+    """
+    buckets = int(meta["buckets"])
+    by_bucket: dict[int, list[str]] = {}
+    for (_, b), path in written_parts(out, buckets, clean_temp=False).items():
+        by_bucket.setdefault(b, []).append(path)
+    total, per_source = 0, {}
+    for b, paths in sorted(by_bucket.items()):
+        ids = []
+        for path in paths:
+            t = pq.read_table(path, filesystem=out.fs, columns=["chunk_id", "source"])
+            if t.num_rows:
+                src = t.column("source")[0].as_py()
+                per_source[src] = per_source.get(src, 0) + t.num_rows
+            ids.append(t.column("chunk_id").combine_chunks())
+        ids = pa.concat_arrays(ids) if ids else pa.array([], pa.string())
+        distinct = len(pa.compute.unique(ids))
+        if distinct != len(ids):
+            raise AnnotateError(f"annotations at {out.uri}: bucket {b} holds {len(ids)} rows but {distinct} distinct chunk ids")
+        stray = np.flatnonzero(bucket_of(ids.to_pylist(), buckets) != b)
+        if len(stray):
+            raise AnnotateError(f"annotations at {out.uri}: chunk {ids[int(stray[0])].as_py()!r} is in bucket {b}'s parts but hashes to another bucket")
+        total += len(ids)
+    if total != n_rows:
+        raise AnnotateError(f"annotations at {out.uri}: {total} rows, expected {n_rows} unique")
     manifest = {**meta, "rows": total, "rows_per_source": per_source, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     storage.write_json_atomic(out.join(MANIFEST), manifest)
     pointer = storage.publish(root, TABLE, out, total)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import re
 import zlib
@@ -107,53 +108,84 @@ class AnnotatorConfig:
 
 _MIX = np.uint64(0x9E3779B1)
 _MASK32 = np.uint64(0xFFFFFFFF)
-_WORD_CACHE: dict[int, dict[str, tuple[int, np.ndarray]]] = {}
-_WORD_CACHE_MAX = 500_000
+_VOCAB_MAX = 500_000
 
 
 def _word_entry(word: str, char_ngrams: int) -> tuple[int, np.ndarray]:
-    """crc32 of the word and of its character n-grams (of ``<word>``), cached per process:
-    words repeat across chunks (Zipf), so most lookups skip the hashing."""
-    cache = _WORD_CACHE.setdefault(char_ngrams, {})
-    hit = cache.get(word)
-    if hit is None:
-        crc = zlib.crc32
-        chars = np.zeros(0, np.uint64)
-        if char_ngrams:
-            w = f"<{word}>"
-            chars = np.fromiter((crc(("#" + w[j : j + char_ngrams]).encode("utf-8")) for j in range(len(w) - char_ngrams + 1)), np.uint64)
-        if len(cache) >= _WORD_CACHE_MAX:
-            cache.clear()
-        hit = cache[word] = (crc(word.encode("utf-8")), chars)
-    return hit
+    """crc32 of the word and of its character n-grams (of ``<word>``, each prefixed ``#``)."""
+    crc = zlib.crc32
+    chars = np.zeros(0, np.uint64)
+    if char_ngrams:
+        w = f"<{word}>"
+        chars = np.array([crc(("#" + w[j : j + char_ngrams]).encode("utf-8")) for j in range(len(w) - char_ngrams + 1)], np.uint64)
+    return crc(word.encode("utf-8")), chars
 
 
-def hash_features(texts: Sequence[str], buckets: int, ngrams: int, max_features: int, char_ngrams: int = 0) -> np.ndarray:
-    """(n, max_features) int64 n-gram bucket ids, padded with ``buckets`` (the padding index).
+class _Vocab(dict):
+    """word -> row in growing arrays of its crc32 and its character n-gram hashes.
 
-    Word 1..``ngrams``-grams, plus (if ``char_ngrams``) character ``char_ngrams``-grams of
-    each ``<word>`` (they share evidence between inflections and rare names). A word n-gram's
-    hash mixes its words' crc32 values arithmetically, so only single words are ever hashed
-    as strings. crc32 rather than Python's ``hash``: ids agree across processes and runs.
+    Words repeat across chunks (Zipf), so a batch's words are looked up with one C-level
+    ``map(vocab.__getitem__, words)``; only unseen words reach Python (``__missing__``).
+    A pure cache: the ids it yields are functions of the words alone.
+    """
+
+    def __init__(self, char_ngrams: int):
+        super().__init__()
+        self.char_ngrams = char_ngrams
+        self.reset()
+
+    def reset(self) -> None:
+        self.clear()
+        self.whash = np.zeros(1024, np.uint64)
+        self.cstart = np.zeros(1024, np.int64)
+        self.clen = np.zeros(1024, np.int64)
+        self.chars = np.zeros(4096, np.uint64)
+        self.n_chars = 0
+
+    def __missing__(self, word: str) -> int:
+        i = len(self)
+        if i >= len(self.whash):
+            self.whash, self.cstart, self.clen = (np.resize(a, 2 * len(a)) for a in (self.whash, self.cstart, self.clen))
+        h, chars = _word_entry(word, self.char_ngrams)
+        if self.n_chars + len(chars) > len(self.chars):
+            self.chars = np.resize(self.chars, 2 * (self.n_chars + len(chars)))
+        self.whash[i], self.cstart[i], self.clen[i] = h, self.n_chars, len(chars)
+        self.chars[self.n_chars : self.n_chars + len(chars)] = chars
+        self.n_chars += len(chars)
+        self[word] = i
+        return i
+
+
+_VOCABS: dict[int, _Vocab] = {}
+
+
+def hash_features_flat(texts: Sequence[str], buckets: int, ngrams: int, max_features: int, char_ngrams: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The fast annotator's featuriser: flat int64 n-gram bucket ids and (n + 1) offsets.
+
+    Text ``t``'s features are ``ids[offsets[t]:offsets[t + 1]]``, in this order: its word
+    1-grams, 2-grams, ... ``ngrams``-grams, then (if ``char_ngrams``) the character
+    ``char_ngrams``-grams of each ``<word>``, truncated to ``max_features``. Words are ``\\w+``
+    of the lower-cased text. A word n-gram's hash mixes its words' crc32 values
+    arithmetically, so only single words are ever hashed as strings; crc32 rather than
+    Python's ``hash`` so ids agree across processes and runs. Vectorised over the batch.
     """
     n_texts = len(texts)
-    out = np.full((n_texts, max_features), buckets, dtype=np.int64)
-    ents = []
-    lengths = np.zeros(n_texts, np.int64)
-    for i, text in enumerate(texts):
-        words = _WORD.findall(text.lower())
-        lengths[i] = len(words)
-        ents += [_word_entry(w, char_ngrams) for w in words]
-    if not ents:
-        return out
-    # Vectorised over the whole batch: feature k of text t goes to out[t, position].
-    h = np.fromiter((e[0] for e in ents), np.uint64, len(ents))
+    vocab = _VOCABS.get(char_ngrams)
+    if vocab is None:
+        vocab = _VOCABS[char_ngrams] = _Vocab(char_ngrams)
+    words_per_text = [_WORD.findall(t.lower()) for t in texts]
+    lengths = np.fromiter(map(len, words_per_text), np.int64, n_texts)
+    n_words = int(lengths.sum())
+    if len(vocab) + n_words > _VOCAB_MAX:
+        vocab.reset()  # bounded memory; entries are recomputed on demand
+    widx = np.fromiter(map(vocab.__getitem__, itertools.chain.from_iterable(words_per_text)), np.int64, n_words)
+    h = vocab.whash[widx]
     text_of = np.repeat(np.arange(n_texts), lengths)
     start = np.cumsum(lengths) - lengths
-    ids_l, text_l, pos_l = [h], [text_of], [np.arange(len(h)) - start[text_of]]
+    ids_l, text_l, pos_l = [h], [text_of], [np.arange(n_words) - start[text_of]]
     offset = lengths.copy()  # where the next kind of feature starts, per text
     for n in range(2, ngrams + 1):
-        m = len(h) - n + 1
+        m = n_words - n + 1
         if m <= 0:
             break
         g = h[:m].copy()
@@ -165,19 +197,43 @@ def hash_features(texts: Sequence[str], buckets: int, ngrams: int, max_features:
         text_l.append(t)
         pos_l.append(offset[t] + (np.arange(m)[ok] - start[t]))
         offset = offset + np.maximum(lengths - n + 1, 0)
-    if char_ngrams:
-        counts = np.fromiter((len(e[1]) for e in ents), np.int64, len(ents))
-        chars = np.concatenate([e[1] for e in ents])
+    if char_ngrams and n_words:
+        counts = vocab.clen[widx]
+        total = int(counts.sum())
+        # gather every word's run of char-gram hashes: chars[cstart[w] + 0..clen[w]-1]
+        first = np.cumsum(counts) - counts
+        src = np.repeat(vocab.cstart[widx] - first, counts) + np.arange(total)
         t = np.repeat(text_of, counts)
         per_text = np.bincount(text_of, weights=counts, minlength=n_texts).astype(np.int64)
         cstart = np.cumsum(per_text) - per_text
-        ids_l.append(chars)
+        ids_l.append(vocab.chars[src])
         text_l.append(t)
-        pos_l.append(offset[t] + (np.arange(len(chars)) - cstart[t]))
+        pos_l.append(offset[t] + (np.arange(total) - cstart[t]))
+        offset = offset + per_text
+    kept = np.minimum(offset, max_features)
+    offsets = np.zeros(n_texts + 1, np.int64)
+    np.cumsum(kept, out=offsets[1:])
     ids, tx, pos = np.concatenate(ids_l), np.concatenate(text_l), np.concatenate(pos_l)
     keep = pos < max_features
-    out[tx[keep], pos[keep]] = (ids[keep] % np.uint64(buckets)).astype(np.int64)
+    flat = np.empty(int(offsets[-1]), np.int64)
+    flat[offsets[tx[keep]] + pos[keep]] = (ids[keep] % np.uint64(buckets)).astype(np.int64)
+    return flat, offsets
+
+
+def pad_features(flat: np.ndarray, offsets: np.ndarray, max_features: int, pad: int) -> np.ndarray:
+    """Flat ids + offsets -> (n, max_features) rows padded with ``pad`` (fixed-width, for training batches)."""
+    n = len(offsets) - 1
+    lengths = np.diff(offsets)
+    out = np.full((n, max_features), pad, dtype=np.int64)
+    rows = np.repeat(np.arange(n), lengths)
+    out[rows, np.arange(len(flat)) - offsets[rows]] = flat
     return out
+
+
+def hash_features(texts: Sequence[str], buckets: int, ngrams: int, max_features: int, char_ngrams: int = 0) -> np.ndarray:
+    """:func:`hash_features_flat` as (n, max_features) int64 rows padded with ``buckets`` (the padding index)."""
+    flat, offsets = hash_features_flat(texts, buckets, ngrams, max_features, char_ngrams)
+    return pad_features(flat, offsets, max_features, buckets)
 
 
 @functools.lru_cache(maxsize=2)
@@ -204,8 +260,10 @@ class FastHead(nn.Module):
         self.bag = nn.EmbeddingBag(buckets + 1, dim, mode="mean", padding_idx=buckets)
         self.out = nn.Linear(dim, n_concepts)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.out(self.bag(ids))
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        # (n, width) rows padded with the padding index, or flat ids + per-text start offsets
+        # (no padding to skip: what inference uses); the mean over a text's ids is the same.
+        return self.out(self.bag(ids, offsets))
 
 
 class LinearHead(nn.Module):
@@ -226,7 +284,9 @@ def build_head(cfg: AnnotatorConfig) -> nn.Module:
 
 
 def featurize(cfg: AnnotatorConfig, texts: Sequence[str]) -> np.ndarray:
-    """Model input for ``texts``: hashed ids (fast) or sentence embeddings (encoder)."""
+    """Fixed-width model input for ``texts`` (training rows): padded hashed ids (fast) or
+    sentence embeddings (encoder). Inference uses the same featuriser without the padding
+    (:meth:`Annotator.features`)."""
     if cfg.kind == "fast":
         return hash_features(texts, cfg.hash_buckets, cfg.word_ngrams, cfg.max_features, cfg.char_ngrams)
     return encode_texts(texts, cfg.encoder_model)
@@ -256,14 +316,26 @@ class Annotator:
     def kind(self) -> str:
         return self.cfg.kind
 
-    def features(self, texts: Sequence[str]) -> np.ndarray:
-        return featurize(self.cfg, texts)
+    def features(self, texts: Sequence[str]) -> "np.ndarray | tuple[np.ndarray, np.ndarray]":
+        """Model input: (flat ids, offsets) for ``fast`` (see :func:`hash_features_flat`), embeddings for ``encoder``."""
+        c = self.cfg
+        if c.kind == "fast":
+            return hash_features_flat(texts, c.hash_buckets, c.word_ngrams, c.max_features, c.char_ngrams)
+        return featurize(c, texts)
 
     @torch.inference_mode()
-    def scores_from_features(self, x: np.ndarray) -> np.ndarray:
-        if len(x) == 0:
-            return np.zeros((0, self.cfg.n_concepts), np.float32)
-        return torch.sigmoid(self.head(torch.from_numpy(x))).numpy()
+    def scores_from_features(self, x: "np.ndarray | tuple[np.ndarray, np.ndarray]") -> np.ndarray:
+        """(n, n_concepts) probabilities from :meth:`features` or :func:`featurize` output."""
+        if isinstance(x, tuple):
+            flat, offsets = x
+            if len(offsets) <= 1:
+                return np.zeros((0, self.cfg.n_concepts), np.float32)
+            logits = self.head(torch.from_numpy(flat), torch.from_numpy(offsets[:-1]))
+        else:
+            if len(x) == 0:
+                return np.zeros((0, self.cfg.n_concepts), np.float32)
+            logits = self.head(torch.from_numpy(x))
+        return torch.sigmoid(logits).numpy()
 
     def scores(self, texts: Sequence[str]) -> np.ndarray:
         """(n, n_concepts) probabilities."""
@@ -274,18 +346,36 @@ class Annotator:
         th = np.asarray(self.cfg.thresholds or [0.5] * self.cfg.n_concepts, np.float32)
         return scores >= th[None, :]
 
+    def select(self, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Decisions as ragged arrays: per text, the concept indices above threshold, best
+        first (ties: lower index first), at most ``max_concepts_per_chunk``.
+
+        Returns (offsets (n + 1) int32, concept ids int32, their scores float32); text i owns
+        ``[offsets[i], offsets[i + 1])``. Vectorised over the batch (no per-row Python).
+        """
+        n = len(scores)
+        rows, cols = np.nonzero(self.decide(scores))
+        sc = scores[rows, cols]
+        order = np.lexsort((-sc, rows))  # stable: equal scores keep column order
+        rows, cols, sc = rows[order], cols[order], sc[order]
+        counts = np.bincount(rows, minlength=n)
+        rank = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        keep = rank < self.cfg.max_concepts_per_chunk
+        offsets = np.zeros(n + 1, np.int32)
+        np.cumsum(np.minimum(counts, self.cfg.max_concepts_per_chunk), out=offsets[1:])
+        return offsets, cols[keep].astype(np.int32), sc[keep].astype(np.float32)
+
+    def annotate_arrays(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`select` of :meth:`scores`: (offsets, concept ids, scores) for ``texts``."""
+        return self.select(self.scores(texts))
+
     def annotate(self, texts: Sequence[str]) -> tuple[list[list[int]], list[list[float]]]:
         """Per text: concept indices above threshold (best first, at most max_concepts_per_chunk) and their scores."""
-        s = self.scores(texts)
-        keep = self.decide(s)
-        ids_out, sc_out = [], []
-        k = self.cfg.max_concepts_per_chunk
-        for row, mask in zip(s, keep):
-            idx = np.flatnonzero(mask)
-            idx = idx[np.argsort(-row[idx], kind="stable")][:k]
-            ids_out.append(idx.astype(np.int32).tolist())
-            sc_out.append(row[idx].astype(np.float32).tolist())
-        return ids_out, sc_out
+        if len(texts) == 0:
+            return [], []
+        offsets, ids, sc = self.annotate_arrays(texts)
+        cut = offsets[1:-1]
+        return [a.tolist() for a in np.split(ids, cut)], [a.tolist() for a in np.split(sc, cut)]
 
     # ---------------------------------------------------------------- persistence
 

@@ -31,7 +31,7 @@ def train_and_evaluate(root: storage.Location, cfg: RunConfig, chunks, chunk_con
     data = labels.labelled_chunks(chunks, chunk_concepts, concept_ids, labelled_ids)
     ann, info = train.train_annotator(s3.annotator, data, s3)
     test = info["split"] == "test"
-    pred = ann.decide(ann.scores_from_features(info["features"][test]))
+    pred = ann.decide(info["test_scores"])
     res = {s3.annotator: evaluate.evaluate(pred, data.y[test].astype(bool), seed=s3.seed)}
     loc = ann.save(annotator_location(root, data.library_version, s3.annotator))
     names = list(data.concept_ids)

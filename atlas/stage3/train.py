@@ -1,13 +1,17 @@
 """Annotator training: the head is fitted under Ray Train, thresholds on a validation split.
 
-Features are computed once on the driver (hashed ids, or frozen-encoder embeddings), put in
-a Ray Dataset and streamed to the Ray Train workers (``TorchTrainer``, gloo, DDP when more
-than one worker). Rank 0 returns the head as a safetensors checkpoint. The caller must have
-Ray running (stages never start Ray; the runner does).
+Features are computed by a Ray Data operator (``map_batches`` with an actor that loads the
+featuriser once: the MiniLM encoder for ``encoder``, the n-gram hasher for ``fast``); the
+featurised rows stay in the object store and stream to the Ray Train workers
+(``TorchTrainer``, gloo, DDP when more than one worker); the validation and test rows are
+scored by another actor operator, so the driver only ever holds labels and scores, never
+the feature matrix. Rank 0 returns the head as a safetensors checkpoint. The caller must
+have Ray running (stages never start Ray; the runner does).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -86,16 +90,65 @@ def _train_loop(config: dict[str, Any]) -> None:
             ray.train.report(metrics)
 
 
-def fit_head(cfg: AnnotatorConfig, x: np.ndarray, y: np.ndarray, s3: Stage3Config, storage_path: str | None = None) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Train the head of ``cfg`` on features ``x`` and multi-hot ``y`` with Ray Train."""
+class FeaturizeBatch:
+    """Ray Data actor: featuriser loaded once per actor (model weights for ``encoder``)."""
+
+    def __init__(self, annotator: dict[str, Any], threads: int = 1):
+        torch.set_num_threads(threads)
+        self.cfg = AnnotatorConfig(**annotator)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        x = featurize(self.cfg, [str(t) for t in batch["text"]])
+        return {"row": batch["row"], "split": batch["split"], "x": x, "y": batch["y"]}
+
+
+class ScoreBatch:
+    """Ray Data actor: the trained head (state dict) scoring featurised rows outside ``train``."""
+
+    def __init__(self, annotator: dict[str, Any], state: dict[str, np.ndarray], threads: int = 1):
+        torch.set_num_threads(threads)
+        cfg = AnnotatorConfig(**annotator)
+        head = build_head(cfg)
+        head.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+        self.ann = Annotator(cfg, head)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        held = batch["split"] != "train"
+        x = batch["x"][held]
+        return {"row": batch["row"][held], "scores": self.ann.scores_from_features(np.ascontiguousarray(x))}
+
+
+def _train_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    keep = batch["split"] == "train"
+    return {"x": batch["x"][keep], "y": batch["y"][keep].astype(np.float32)}
+
+
+def featurized_dataset(cfg: AnnotatorConfig, texts: list[str], y: np.ndarray, split: np.ndarray, s3: Stage3Config):
+    """Ray Dataset (row, split, x, y) of the labelled chunks, featurised by actors, materialised in the object store."""
+    import pyarrow as pa
     import ray.data
+    from ray.data.extensions import ArrowTensorArray
+
+    src = pa.table({
+        "row": pa.array(np.arange(len(texts)), pa.int64()), "split": pa.array(split.astype(str)), "text": pa.array(texts, pa.string()),
+        "y": ArrowTensorArray.from_numpy(np.ascontiguousarray(y, np.uint8)),
+    })
+    blocks = max(1, min(64, len(texts) // 512))
+    ds = ray.data.from_arrow(src).repartition(blocks)
+    return ds.map_batches(
+        FeaturizeBatch, fn_constructor_kwargs={"annotator": dataclasses.asdict(cfg), "threads": max(1, int(s3.cpus_per_actor))},
+        batch_size=s3.inference_batch_size, batch_format="numpy", concurrency=s3.actors, num_cpus=s3.cpus_per_actor,
+    ).materialize()
+
+
+def fit_head(cfg: AnnotatorConfig, feats: Any, s3: Stage3Config, storage_path: str | None = None) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Train the head of ``cfg`` on the ``train`` rows of ``feats`` (see :func:`featurized_dataset`) with Ray Train."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
     from safetensors.torch import load_file
 
-    if len(x) == 0:
-        raise TrainError("no training chunks (every labelled chunk fell in the validation/test splits?)")
-    ds = ray.data.from_items([{"x": xi, "y": yi.astype(np.float32)} for xi, yi in zip(x, y)])
+    # Materialised once (object store): every epoch re-reads these blocks instead of re-running the filter.
+    ds = feats.map_batches(_train_rows, batch_format="numpy").materialize()
     storage_path = storage_path or tempfile.mkdtemp(prefix="atlas-stage3-train-")
     trainer = TorchTrainer(
         _train_loop,
@@ -122,6 +175,19 @@ def fit_head(cfg: AnnotatorConfig, x: np.ndarray, y: np.ndarray, s3: Stage3Confi
     return head, {"train_seconds": round(time.perf_counter() - t0, 2), "final_loss": (result.metrics or {}).get("loss"), "workers": s3.train_workers}
 
 
+def held_out_scores(ann: Annotator, feats: Any, n_rows: int, s3: Stage3Config) -> np.ndarray:
+    """(n_rows, n_concepts) scores of every non-train row of ``feats`` (NaN on train rows), scored by actors."""
+    state = {k: v.detach().cpu().numpy() for k, v in ann.head.state_dict().items()}
+    scored = feats.map_batches(
+        ScoreBatch, fn_constructor_kwargs={"annotator": dataclasses.asdict(ann.cfg), "state": state, "threads": max(1, int(s3.cpus_per_actor))},
+        batch_size=4096, batch_format="numpy", concurrency=s3.actors, num_cpus=s3.cpus_per_actor,
+    )
+    out = np.full((n_rows, ann.cfg.n_concepts), np.nan, np.float32)
+    for b in scored.iter_batches(batch_size=4096, batch_format="numpy"):  # labelled rows only: n x concepts floats
+        out[b["row"]] = b["scores"]
+    return out
+
+
 def annotator_config(kind: str, data: LabelledChunks, s3: Stage3Config) -> AnnotatorConfig:
     return AnnotatorConfig(
         kind=kind, concept_ids=list(data.concept_ids), library_version=data.library_version,
@@ -130,31 +196,34 @@ def annotator_config(kind: str, data: LabelledChunks, s3: Stage3Config) -> Annot
     )
 
 
-def train_annotator(kind: str, data: LabelledChunks, s3: Stage3Config, features: dict[str, np.ndarray] | None = None) -> tuple[Annotator, dict[str, Any]]:
+def train_annotator(kind: str, data: LabelledChunks, s3: Stage3Config) -> tuple[Annotator, dict[str, Any]]:
     """Train one annotator on the 'train' split, calibrate thresholds on 'val'.
 
-    Returns the annotator and a dict with the split labels (per chunk) and statistics; the
-    'test' split is left untouched for :mod:`atlas.stage3.evaluate`. ``features`` may pass
-    precomputed features per chunk id order (e.g. embeddings shared by two runs).
+    Returns the annotator and a dict with the split labels (per chunk), ``test_scores``
+    (the annotator's scores of the 'test' rows, in chunk order: what
+    :mod:`atlas.stage3.evaluate` scores against the teacher) and statistics.
     """
     cfg = annotator_config(kind, data, s3)
     split = split_of(data.chunk_ids, s3.val_fraction, s3.test_fraction, s3.seed)
+    train, val, test = split == "train", split == "val", split == "test"
+    if not train.any():
+        raise TrainError("no training chunks (every labelled chunk fell in the validation/test splits?)")
     t0 = time.perf_counter()
-    x = features[kind] if features and kind in features else featurize(cfg, data.texts)
+    feats = featurized_dataset(cfg, data.texts, data.y, split, s3)
     feat_s = time.perf_counter() - t0
     if cfg.kind == "encoder":
-        cfg.embed_dim = int(x.shape[1])
-    train, val = split == "train", split == "val"
-    head, stats = fit_head(cfg, x[train], data.y[train], s3)
+        cfg.embed_dim = int(np.asarray(feats.take(1)[0]["x"]).shape[-1])
+    head, stats = fit_head(cfg, feats, s3)
     ann = Annotator(cfg, head)
-    th = calibrate_thresholds(ann.scores_from_features(x[val]), data.y[val], min_positives=s3.calibration_min_positives)
+    scores = held_out_scores(ann, feats, len(data), s3)
+    th = calibrate_thresholds(scores[val], data.y[val], min_positives=s3.calibration_min_positives)
     # Concepts the teacher used too rarely get a threshold above 1: never predicted.
     support = data.y[train].sum(0) + data.y[val].sum(0)
     th[support < s3.min_concept_chunks] = 1.01
     cfg.thresholds = [float(t) for t in th]
     stats.update(
-        kind=kind, featurize_seconds=round(feat_s, 2), n_train=int(train.sum()), n_val=int(val.sum()), n_test=int((split == "test").sum()),
+        kind=kind, featurize_seconds=round(feat_s, 2), n_train=int(train.sum()), n_val=int(val.sum()), n_test=int(test.sum()),
         n_concepts=cfg.n_concepts, concepts_never_predicted=int((support < s3.min_concept_chunks).sum()),
     )
     cfg.train_stats = stats
-    return ann, {"split": split, "features": x, "stats": stats}
+    return ann, {"split": split, "test_scores": scores[test], "stats": stats}

@@ -109,7 +109,9 @@ def test_sigkill_and_restart_writes_every_chunk_once(tmp_path, ray_cluster, s3_s
     s3_root = storage.resolve(f"s3://{bucket}/run", scfg)
     _publish_inputs(s3_root, chunks)
     ann.save(s3_root.join("_annotators", "enc"))
-    s3 = Stage3Config(rows_per_part=ROWS_PER_PART)
+    # Two annotator actors on the 2-CPU cluster (their CPU reservation must leave room for the
+    # read and shuffle tasks, or the job never progresses); the killed command below runs one.
+    s3 = Stage3Config(rows_per_part=ROWS_PER_PART, actors=2, inference_batch_size=64)
     ref_stats = job.annotate_run(s3_root, s3_root.join("_annotators", "enc").uri, s3, scfg)
     assert ref_stats["rows"] == N_CHUNKS and ref_stats["annotated_rows"] == N_CHUNKS
     ref = _read(s3_root)

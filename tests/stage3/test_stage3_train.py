@@ -68,7 +68,7 @@ def _train_and_check(kind: str, s3: Stage3Config, n: int, min_f1: float, tmp_pat
     ann, info = train.train_annotator(kind, data, s3)
     assert info["stats"]["concepts_never_predicted"] == 1 and ann.cfg.thresholds[data.concept_ids.index("c-rare")] > 1
     test = info["split"] == "test"
-    pred = ann.decide(ann.scores_from_features(info["features"][test]))
+    pred = ann.decide(info["test_scores"])
     res = evaluate.evaluate(pred, data.y[test].astype(bool), n_boot=100)
     assert res["annotator"]["micro_f1"] >= min_f1, res["annotator"]
     assert res["annotator"]["micro_f1"] > res["random_control"]["micro_f1"] + 0.3
@@ -138,3 +138,29 @@ def test_vectorised_hashing_matches_a_per_text_reference():
         for c in (0, 4):
             for mf in (4, 384):
                 assert (A.hash_features(texts, 1000, ng, mf, c) == ref(texts, 1000, ng, mf, c)).all(), (ng, c, mf)
+
+
+def test_flat_features_and_vectorised_decisions_match_per_row_references():
+    """Inference (flat ids + offsets) scores like training's padded rows; select() equals a per-row top-k."""
+    import torch
+
+    from atlas.stage3 import annotators as A
+
+    texts = ["Red fox jumps over the lazy dog", "", "a", "the cat sat on the mat. The dog!", " ".join(f"w{i}" for i in range(300))]
+    flat, offsets = A.hash_features_flat(texts, 4096, 2, 64, 4)
+    padded = A.hash_features(texts, 4096, 2, 64, 4)
+    assert list(np.diff(offsets)) == [int((r < 4096).sum()) for r in padded]
+    assert (flat == padded[padded < 4096]).all()
+    torch.manual_seed(0)
+    cfg = A.AnnotatorConfig(kind="fast", concept_ids=[f"c{i}" for i in range(6)], library_version="lib-t", hash_buckets=4096,
+                            hash_dim=8, max_features=64, char_ngrams=4, max_concepts_per_chunk=2)
+    ann = A.Annotator(cfg, A.build_head(cfg))
+    assert np.allclose(ann.scores(texts), ann.scores_from_features(padded), atol=1e-6)
+    rng = np.random.default_rng(1)
+    s = np.round(rng.random((50, 6)), 1).astype(np.float32)  # rounded: many ties
+    off, ids, sc = ann.select(s)
+    for i, row in enumerate(s):
+        idx = np.flatnonzero(row >= 0.5)
+        idx = idx[np.argsort(-row[idx], kind="stable")][:2]
+        assert ids[off[i] : off[i + 1]].tolist() == idx.tolist() and np.allclose(sc[off[i] : off[i + 1]], row[idx])
+    assert ann.annotate([]) == ([], [])
