@@ -424,3 +424,32 @@ def test_engine_children_die_with_a_killed_ray_actor(ray_cluster):
         assert _wait_gone([actor_pid, *pids]) == []
     finally:
         ray.kill(owner, no_restart=True)
+
+
+def test_engine_actor_replaces_an_engine_that_failed():
+    """A batch whose engine raises (e.g. vLLM's core died) gets transient errors (not cached),
+    the engine is closed, and the next batch starts a fresh one."""
+    import pyarrow as pa
+
+    from atlas.engine import EngineActor
+    from atlas.engine.core import EngineDead
+
+    actor = EngineActor("unused", EngineConfig(backend="test").model_dump(), model_id="m")
+    closed = []
+
+    def batch(prompt: str) -> pa.Table:
+        s = Sampling(max_tokens=8).key()
+        return pa.table({"key": ["k"], "prompt": [prompt], "sampling": [s], "request_hash": [request_hash("m", prompt, s)]})
+
+    first = actor._engine()
+    first.close = lambda: closed.append(True)
+
+    def dead(prompts, sampling):
+        raise EngineDead("vLLM engine died: EngineDeadError")
+
+    first.generate = dead
+    out = actor(batch("Text: lobsters live in the sea"))
+    assert "engine failure: EngineDead" in out.column("_a_error")[0].as_py() and closed == [True]
+    assert actor.backend is None
+    out = actor(batch("Text: lobsters live in the sea"))
+    assert out.column("_a_error")[0].as_py() is None and actor.backend is not None and actor.backend is not first

@@ -83,6 +83,10 @@ class Result:
     choice_mass: float | None = None
 
 
+class EngineDead(RuntimeError):
+    """The engine is gone (its core process died); the backend was closed and must be replaced."""
+
+
 class ScoreError(ValueError):
     """The prompt / choices cannot be scored by next-token probabilities (names the reason)."""
 
@@ -490,6 +494,14 @@ class VLLMBackend(Backend):
             reaper.close()  # whatever shutdown() left behind (a worker stuck in a step)
         _OPEN_BACKENDS.discard(self)
 
+    def _raise_if_dead(self, e: BaseException) -> None:
+        """A dead engine core fails every later request: close this backend (its processes
+        die, see :class:`ChildReaper`) and raise, so the owner starts a fresh one instead of
+        answering each remaining row with the same error."""
+        if type(e).__name__ == "EngineDeadError" or self.llm is None:
+            self.close()
+            raise EngineDead(f"vLLM engine died: {_short(e)}") from e
+
     def metrics(self) -> dict[str, float]:
         """Snapshot of vLLM's counters and histogram sums (see :func:`metrics_delta`)."""
         out: dict[str, float] = {}
@@ -535,11 +547,13 @@ class VLLMBackend(Backend):
             outs = self.llm.generate([prompts[i] for i in todo], params, use_tqdm=False)
             for i, o in zip(todo, outs):
                 results[i] = self._result(o)
-        except Exception:  # noqa: BLE001 - isolate the failing row(s), keep the rest
+        except Exception as e:  # noqa: BLE001 - isolate the failing row(s), keep the rest
+            self._raise_if_dead(e)
             for i in todo:
                 try:
                     results[i] = self._result(self.llm.generate([prompts[i]], params, use_tqdm=False)[0])
                 except Exception as e:  # noqa: BLE001
+                    self._raise_if_dead(e)
                     results[i] = Result(None, error=f"engine rejected the request: {_short(e)}")
         return results  # type: ignore[return-value]
 
@@ -568,11 +582,13 @@ class VLLMBackend(Backend):
             try:
                 for i, o in zip(idx, self.llm.generate([prompts[i] for i in idx], params, use_tqdm=False)):
                     results[i] = one(o)
-            except Exception:  # noqa: BLE001 - isolate the failing row(s), keep the rest
+            except Exception as e:  # noqa: BLE001 - isolate the failing row(s), keep the rest
+                self._raise_if_dead(e)
                 for i in idx:
                     try:
                         results[i] = one(self.llm.generate([prompts[i]], params, use_tqdm=False)[0])
                     except Exception as e:  # noqa: BLE001
+                        self._raise_if_dead(e)
                         results[i] = Result(None, error=f"engine rejected the scoring request: {_short(e)}")
         return results  # type: ignore[return-value]
 
