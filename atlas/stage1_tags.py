@@ -237,7 +237,7 @@ class JudgeStage(LLMStage):
             for tag in tlist or []:
                 cids.append(cid)
                 tags.append(tag)
-                ps.append(prompts.judge_prompt(text, tag, template))
+                ps.append(prompts.judge_prompt(text, tag, template, style=self.cfg.judge.prompt))
         return pa.table(
             {
                 "key": pa.array([f"{c}\t{t}" for c, t in zip(cids, tags)], pa.string()),

@@ -55,7 +55,8 @@ def pick_chunks(n: int):
 def engine_cfg(model: str, backend: str):
     from atlas.config import EngineConfig
 
-    return EngineConfig(model=model, backend=backend, max_model_len=1024, max_num_seqs=64, batch_size=32, kv_cache_gib=1.0)
+    # 2048: the chat form of the 16-example prompts is ~1.3k tokens for SmolLM's template.
+    return EngineConfig(model=model, backend=backend, max_model_len=2048, max_num_seqs=64, batch_size=32, kv_cache_gib=1.0)
 
 
 def make_tags(texts: list[str], backend: str, be=None) -> tuple[list[list[str]], dict]:
@@ -108,13 +109,14 @@ def derangement_across_docs(doc_ids: list[str]) -> list[int]:
     return perm
 
 
-def run_judge(be, model: str, mode: str, pairs: list[tuple[int, str]], texts: list[str]) -> tuple[list[float | None], dict]:
-    """Scores for (chunk index, tag) pairs; mode 'prob' (expected score) or 'sampled' (old judge)."""
+def run_judge(be, model: str, mode: str, pairs: list[tuple[int, str]], texts: list[str], style: str = "rubric") -> tuple[list[float | None], dict]:
+    """Scores for (chunk index, tag) pairs; mode 'prob' (expected score) or 'sampled' (old
+    judge); ``style``: the judge prompt (prompts.JUDGE_STYLES)."""
     from atlas.engine import Engine, Sampling, expected_score, parse_score_text, prompts
 
     eng = Engine(engine_cfg(model, be.name))
     template = eng.chat_template
-    ps = [prompts.judge_prompt(texts[c], tag, template) for c, tag in pairs]
+    ps = [prompts.judge_prompt(texts[c], tag, template, style=style) for c, tag in pairs]
     if mode == "prob":
         sampling = Sampling(**prompts.judge_sampling_kwargs())
     else:
@@ -136,7 +138,7 @@ def run_judge(be, model: str, mode: str, pairs: list[tuple[int, str]], texts: li
         if s is None:
             errors.append(r.error or f"answer {r.text!r} not in 1..5")
         scores.append(s)
-    info = {"seconds": round(dt, 1), "pairs/s": round(len(ps) / dt, 2) if dt else None, "errors": len(errors)}
+    info = {"seconds": round(dt, 1), "pairs/s": round(len(ps) / dt, 2) if dt else None, "errors": len(errors), "loadavg": round(os.getloadavg()[0], 1)}
     if m0 is not None:
         from atlas.engine import metrics_delta
 
@@ -178,7 +180,7 @@ def auc(real: list[float], shuf: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=60)
-    ap.add_argument("--judges", default="gemma-prob,gemma-sampled,smollm-prob,smollm-sampled")
+    ap.add_argument("--judges", default="gemma-prob:extremes,gemma-prob:rubric,smollm-prob:extremes,smollm-prob:rubric")
     ap.add_argument("--backend", default="vllm", choices=["vllm", "transformers"])
     ap.add_argument("--tags-json", default=None, help="reuse / store the tagger's output here")
     ap.add_argument("--bootstrap", type=int, default=2000)
@@ -215,12 +217,16 @@ def main() -> None:
         print(f"  {ids[i]}: real {tags[i]} | shuffled (from {ids[perm[i]]}) {tags[perm[i]]}")
 
     judges = [j for j in args.judges.split(",") if j]
-    by_model: dict[str, list[str]] = {}
+    from atlas.engine import prompts
+
+    by_model: dict[str, list[tuple[str, str]]] = {}
     for j in judges:
-        m, mode = j.split("-")
-        if m not in MODELS or mode not in ("prob", "sampled"):
-            raise SystemExit(f"unknown judge {j!r}")
-        by_model.setdefault(m, []).append(mode)
+        m, _, rest = j.partition("-")
+        mode, _, style = rest.partition(":")
+        style = style or "rubric"
+        if m not in MODELS or mode not in ("prob", "sampled") or style not in prompts.JUDGE_STYLES:
+            raise SystemExit(f"unknown judge {j!r} (model-mode[:style], style one of {prompts.JUDGE_STYLES})")
+        by_model.setdefault(m, []).append((mode, style))
     rows = []
     for m, modes in by_model.items():
         cfg = engine_cfg(MODELS[m], args.backend)
@@ -228,8 +234,16 @@ def main() -> None:
         be = engines.pop(m, None) or make_backend(resolve_model(MODELS[m]), cfg)
         load = time.perf_counter() - t0
         try:
-            for mode in modes:
-                sc, info = run_judge(be, MODELS[m], mode, real + shuf, texts)
+            for mode, style in modes:
+                name = f"{m}-{mode}:{style}"
+                # Chunk-ordered, so the real and shuffled pairs of one chunk share its text as a
+                # cached prefix.
+                allp = real + shuf
+                order = sorted(range(len(allp)), key=lambda k: allp[k][0])
+                sc_o, info = run_judge(be, MODELS[m], mode, [allp[k] for k in order], texts, style)
+                sc = [None] * len(allp)
+                for k, v in zip(order, sc_o):
+                    sc[k] = v
                 rs, ss = sc[: len(real)], sc[len(real) :]
                 r_by: dict[int, list[float]] = {}
                 s_by: dict[int, list[float]] = {}
@@ -242,23 +256,23 @@ def main() -> None:
                 rv = [v for v in rs if v is not None]
                 sv = [v for v in ss if v is not None]
                 if not rv or not sv:
-                    rows.append((f"{m}-{mode}", float("nan"), float("nan"), float("nan"), float("nan"), float("nan"), float("nan"), info, load))
+                    rows.append((name, float("nan"), float("nan"), float("nan"), float("nan"), float("nan"), float("nan"), info, load))
                     continue
                 diff, lo, hi = cluster_bootstrap(r_by, s_by, args.bootstrap, args.seed)
-                rows.append((f"{m}-{mode}", sum(rv) / len(rv), sum(sv) / len(sv), diff, lo, hi, auc(rv, sv), info, load))
-                print(f"  {m}-{mode}: {rows[-1][:7]} {info} (engine load {load:.0f}s, loadavg {os.getloadavg()[0]:.1f})", flush=True)
+                rows.append((name, sum(rv) / len(rv), sum(sv) / len(sv), diff, lo, hi, auc(rv, sv), info, load))
+                print(f"  {name}: {rows[-1][:7]} {info} (engine load {load:.0f}s, loadavg {os.getloadavg()[0]:.1f})", flush=True)
         finally:
             be.close()
 
     print()
-    hdr = f"{'judge':16s} {'real':>6s} {'shuffled':>8s} {'diff':>6s} {'95% CI (chunk bootstrap)':>25s} {'AUC':>5s} {'pairs/s':>8s} {'errors':>6s} {'P(1..5) mass':>12s}"
+    hdr = f"{'judge':24s} {'real':>6s} {'shuffled':>8s} {'diff':>6s} {'95% CI (chunk bootstrap)':>25s} {'AUC':>5s} {'pairs/s':>8s} {'errors':>6s} {'P(1..5) mass':>12s} {'load':>5s}"
     print(hdr)
     print("-" * len(hdr))
     for name, r, s, d, lo, hi, a, info, _ in rows:
         mass = info.get("mean_choice_mass")
         print(
-            f"{name:16s} {r:6.2f} {s:8.2f} {d:6.2f} {f'[{lo:.2f}, {hi:.2f}]':>25s} {a:5.2f} {info.get('pairs/s') or 0:8.2f} "
-            f"{info['errors']:6d} {'' if mass is None else f'{mass:.3f}':>12s}"
+            f"{name:24s} {r:6.2f} {s:8.2f} {d:6.2f} {f'[{lo:.2f}, {hi:.2f}]':>25s} {a:5.2f} {info.get('pairs/s') or 0:8.2f} "
+            f"{info['errors']:6d} {'' if mass is None else f'{mass:.3f}':>12s} {info['loadavg']:5.1f}"
         )
     print(f"\n(real pairs {len(real)}, shuffled pairs {len(shuf)}, {len(ids)} chunks, bootstrap reps {args.bootstrap}; target: diff >= 1.00 with CI above 0)")
     print(f"(prob judges: expected score over P(1..5) renormalised; 'P(1..5) mass' = raw probability the model put on the five answers)")

@@ -22,6 +22,8 @@ from atlas.config import EngineConfig
 from atlas.engine.core import Backend, Result, Sampling, score_text
 
 _WORD = re.compile(r"[A-Za-z][A-Za-z'-]{4,}")
+# The tag of a judge prompt: "Tag: <tag>" or 'Is this text about "<tag>"?' (prompts.judge_prompt).
+_ASK = re.compile(r'\nTag: ([^\n]*)|Is this text about "([^"\n]*)"\?')
 _STOP = {"which", "their", "there", "these", "those", "after", "where", "while", "about", "would", "could", "other"}
 
 
@@ -59,8 +61,11 @@ class TestBackend(Backend):
     @staticmethod
     def _hit(q: str) -> bool:
         """Whether every word of the query's tag occurs in the query's text."""
-        tag = q.rsplit("Tag:", 1)[-1].strip().split("\n")[0].lower()
-        return bool(tag) and all(w in q.lower().split("tag:")[0] for w in tag.split())
+        m = _ASK.search(q)
+        if m is None:
+            return False
+        tag = (m.group(1) or m.group(2) or "").strip().lower()
+        return bool(tag) and all(w in q[: m.start()].lower() for w in tag.split())
 
     def _score(self, p: str, q: str, choices: tuple[str, ...]) -> Result:
         # A peaked distribution (not one-hot) so expected score and argmax differ, fixed by the prompt.
