@@ -126,8 +126,11 @@ class JudgeConfig(_Section):
         default="extremes", description="Judge prompt style (atlas.engine.prompts.judge_prompt; compared in benchmarks/judge_discrimination.py)."
     )
     model: str | None = Field(
-        default="embedded:smollm2-135m-instruct",
-        description="Judge model (same forms as engine.model); None: engine.model. Default: the instruction-tuned model (the Gemma 270M base model rates every pair 1).",
+        default="embedded:gemma3-270m",
+        description=(
+            "Judge model (same forms as engine.model); None: engine.model. Default: Gemma 3 270M with the 'extremes' prompt, "
+            "the best packaged judge measured (benchmarks/judge_discrimination.py; still far from the 1-point target)."
+        ),
     )
 
 

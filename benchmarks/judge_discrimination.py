@@ -183,6 +183,7 @@ def main() -> None:
     ap.add_argument("--judges", default="gemma-prob:extremes,gemma-prob:rubric,smollm-prob:extremes,smollm-prob:rubric")
     ap.add_argument("--backend", default="vllm", choices=["vllm", "transformers"])
     ap.add_argument("--tags-json", default=None, help="reuse / store the tagger's output here")
+    ap.add_argument("--judge-chunks", type=int, default=None, help="judge an evenly spaced subset of this many tagged chunks")
     ap.add_argument("--bootstrap", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -205,6 +206,9 @@ def main() -> None:
         tags, tag_info = make_tags(texts, args.backend, engines.get("gemma"))
         if args.tags_json:
             Path(args.tags_json).write_text(json.dumps({"chunk_ids": ids, "tags": tags}))
+    if args.judge_chunks and args.judge_chunks < len(ids):
+        keep = [int(i * len(ids) / args.judge_chunks) for i in range(args.judge_chunks)]
+        ids, docs, texts, tags = ([x[i] for i in keep] for x in (ids, docs, texts, tags))
     perm = derangement_across_docs(docs)
     real = [(i, t) for i in range(len(ids)) for t in tags[i]]
     shuf = [(i, t) for i in range(len(ids)) for t in tags[perm[i]]]

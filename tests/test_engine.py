@@ -106,6 +106,15 @@ def test_prompts_share_prefix_and_end_in_query():
     j1 = prompts.judge_prompt("Some text.", "tag one")
     j2 = prompts.judge_prompt("Some text.", "tag two")
     assert os.path.commonprefix([j1, j2]).endswith("Text: Some text.\nTag: tag ")
+    others = prompts.judge_prompt("Other text.", "tag one")
+    for style in prompts.JUDGE_STYLES:  # every style: shared preamble, then text, then tag
+        a, b = (prompts.judge_prompt("Some text.", t, style=style) for t in ("tag one", "tag two"))
+        c = prompts.judge_prompt("Other text.", "tag one", style=style)
+        assert "Text: Some text.\n" in os.path.commonprefix([a, b]) and a.endswith((": ",)), style
+        assert len(os.path.commonprefix([a, c])) > 0.8 * len(a) - 40, style
+    assert prompts.judge_prompt("Some text.", "tag one", style=prompts.DEFAULT_JUDGE_STYLE) == j1 != others
+    with pytest.raises(ValueError, match="unknown judge prompt style 'nope'"):
+        prompts.judge_prompt("Some text.", "tag", style="nope")
 
 
 def test_expected_score_math():
