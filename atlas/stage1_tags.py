@@ -300,7 +300,8 @@ class JudgeStage(LLMStage):
             "chunks": pc_["rows"],
             "tags": pt_["rows"],
             "scored": published["rows"] - published["errors"],
-            "mean_score": ms,
+            "mean_score": ms,  # of the expected score
+            "judge_prompt": self.cfg.judge.prompt,
             "mean_chunk_score": mc,
             "mean_tag_score": mt,
             "plot": plot.uri,
