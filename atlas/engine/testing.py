@@ -6,8 +6,8 @@ It answers in the shape the constraint asks for: a JSON list of strings for a JS
 array, one of the choices for a choice constraint, and for choice scoring
 (``Sampling(score_choices=...)``) a probability distribution over the choices in the real
 backends' form (:func:`atlas.engine.core.score_text`): relevance-like, a tag whose words all
-occur in the text puts most mass on the last choice, any other tag on the first ones. ``engine.test_delay_s`` sleeps per
-generated row (so a run can be killed mid-stage); ``engine.test_invalid_rate`` answers that
+occur in the text puts most mass on the last choice, any other tag on the first ones.
+``engine.test_delay_s`` sleeps per generated row (so a run can be killed mid-stage); ``engine.test_invalid_rate`` answers that
 fraction of prompts (chosen by prompt hash, so reruns agree) with text that is not JSON.
 """
 
