@@ -61,8 +61,14 @@ TAG_JUDGEMENTS = pa.schema(
     [
         pa.field("chunk_id", pa.string(), nullable=False),
         pa.field("tag", pa.string(), nullable=False),
-        pa.field("score", pa.int8(), metadata={"doc": "relevance 1-5; null if the judge output was unusable"}),
-        pa.field("raw_output", pa.string()),
+        pa.field(
+            "expected_score", pa.float64(),
+            metadata={"doc": "relevance 1-5: sum of k * P(k) over the judge's probabilities of the answers 1..5; null if unusable"},
+        ),
+        pa.field("score", pa.int8(), metadata={"doc": "the judge's most probable answer 1-5; null if the judge output was unusable"}),
+        pa.field("answer_probs", pa.list_(pa.float32()), metadata={"doc": "P(1), ..., P(5), renormalised over the five answers"}),
+        pa.field("choice_mass", pa.float32(), metadata={"doc": "raw next-token probability the judge put on the five answers"}),
+        pa.field("raw_output", pa.string(), metadata={"doc": "the scoring result as JSON (probabilities and mass)"}),
         pa.field("error", pa.string()),
         pa.field("model", pa.string(), nullable=False),
     ]
@@ -72,7 +78,7 @@ TAG_JUDGE_BY_CHUNK = pa.schema(
     [
         pa.field("chunk_id", pa.string(), nullable=False),
         pa.field("n_tags", pa.int32(), nullable=False),
-        pa.field("mean_score", pa.float64()),
+        pa.field("mean_score", pa.float64(), metadata={"doc": "mean expected score of the chunk's tags"}),
     ]
 )
 
@@ -80,7 +86,7 @@ TAG_JUDGE_BY_TAG = pa.schema(
     [
         pa.field("tag", pa.string(), nullable=False),
         pa.field("n_chunks", pa.int32(), nullable=False),
-        pa.field("mean_score", pa.float64()),
+        pa.field("mean_score", pa.float64(), metadata={"doc": "mean expected score of the tag over its chunks"}),
     ]
 )
 

@@ -3,8 +3,10 @@
 Two :class:`atlas.stage.LLMStage` s. ``stage1_tags`` streams the published ``chunks`` through
 the engine: a few-shot prompt per chunk asks for a JSON list of topical tags (JSON-schema
 constrained); answers are normalised into ``chunk_tags``. ``stage1_judge`` rates every
-(chunk, tag) pair 1-5 (constrained to the five answers) into ``tag_judgements``, then
-publishes per-chunk and per-tag averages and draws both distributions (paper Fig. 5) to
+(chunk, tag) pair 1-5 into ``tag_judgements``: from the judge model's next-token
+probabilities over the answers "1".."5" (one engine step, no sampling) it keeps the expected
+score, the five probabilities and the most probable answer. It then publishes per-chunk and
+per-tag averages of the expected score and draws both distributions (paper Fig. 5) to
 ``<root>/plots/tag_judge.png``.
 
 Generations go through the engine's request cache (a join inside Ray Data), so a rerun on
@@ -27,7 +29,7 @@ import pyarrow.compute as pc
 
 from atlas import schemas
 from atlas.config import RunConfig
-from atlas.engine import Sampling, prompts
+from atlas.engine import Sampling, expected_score, parse_score_text, prompts
 from atlas.stage import LLMStage, StageContext, register
 from atlas.storage import Location
 
@@ -228,16 +230,14 @@ class JudgeStage(LLMStage):
 
     def requests(self, batch: pa.Table) -> pa.Table:
         template = self.engine.chat_template
-        sampling = Sampling(
-            max_tokens=self.cfg.judge.max_new_tokens, temperature=0.0, seed=self.cfg.engine.seed,
-            choice=tuple(prompts.judge_choices(template)),
-        ).key()
+        # Scored, not sampled: one engine step reads P(answer) over "1".."5" for each pair.
+        sampling = Sampling(**prompts.judge_sampling_kwargs()).key()
         cids, tags, ps = [], [], []
         for cid, tlist, text in zip(batch.column("chunk_id").to_pylist(), batch.column("tags").to_pylist(), batch.column("text").to_pylist()):
             for tag in tlist or []:
                 cids.append(cid)
                 tags.append(tag)
-                ps.append(prompts.judge_prompt(text, tag, template))
+                ps.append(prompts.judge_prompt(text, tag, template, style=self.cfg.judge.prompt))
         return pa.table(
             {
                 "key": pa.array([f"{c}\t{t}" for c, t in zip(cids, tags)], pa.string()),
@@ -249,26 +249,19 @@ class JudgeStage(LLMStage):
         )
 
     def parse(self, batch: pa.Table, answers: pa.Table) -> pa.Table:
-        scores: list[int | None] = []
-        errors: list[str | None] = []
-        for cid, tag, raw, err in zip(
-            batch.column("chunk_id").to_pylist(), batch.column("tag").to_pylist(),
-            answers.column("text").to_pylist(), answers.column("error").to_pylist(),
-        ):
-            score = None
-            if err is None:
-                s = (raw or "").strip()
-                if s in prompts.JUDGE_CHOICES:
-                    score = int(s)
-                else:
-                    err = f"judge answer {raw!r} is not one of 1..5"
-            scores.append(score)
-            errors.append(None if err is None else f"chunk {cid}, tag {tag!r}: {err}")
+        cols = parse_judgements(answers.column("text").to_pylist(), answers.column("error").to_pylist())
+        errors = [
+            None if err is None else f"chunk {cid}, tag {tag!r}: {err}"
+            for cid, tag, err in zip(batch.column("chunk_id").to_pylist(), batch.column("tag").to_pylist(), cols.pop("error"))
+        ]
         return pa.table(
             {
                 "chunk_id": batch.column("chunk_id"),
                 "tag": batch.column("tag"),
-                "score": pa.array(scores, pa.int8()),
+                "expected_score": pa.array(cols["expected_score"], pa.float64()),
+                "score": pa.array(cols["score"], pa.int8()),
+                "answer_probs": pa.array(cols["answer_probs"], pa.list_(pa.float32())),
+                "choice_mass": pa.array(cols["choice_mass"], pa.float32()),
                 "raw_output": answers.column("text"),
                 "error": pa.array(errors, pa.string()),
                 "model": pa.array([self.engine.model] * batch.num_rows, pa.string()),
@@ -283,9 +276,9 @@ class JudgeStage(LLMStage):
         n_rows = published["rows"]
         if n_rows <= SMALL_AGGREGATE:
             # Small enough for one process: read three columns, one pyarrow group-by each.
-            by_chunk, by_tag = aggregate_judgements(ctx.read_table("tag_judgements", ["chunk_id", "tag", "score"]))
+            by_chunk, by_tag = aggregate_judgements(ctx.read_table("tag_judgements", ["chunk_id", "tag", "expected_score"]))
         else:
-            j = ctx.read("tag_judgements").select_columns(["chunk_id", "tag", "score"])
+            j = ctx.read("tag_judgements").select_columns(["chunk_id", "tag", "expected_score"])
             n = join_partitions(n_rows)
             # Hash-partition by the group key, then one pyarrow group-by per block.
             by_chunk = j.repartition(n, keys=["chunk_id"]).map_batches(
@@ -298,7 +291,7 @@ class JudgeStage(LLMStage):
         pt_ = ctx.publish("tag_judge_by_tag", by_tag, schemas.TAG_JUDGE_BY_TAG, desc="stage1_judge → tag_judge_by_tag")
         hc, mc = histogram(storage.table_path(ctx.root, "tag_judge_by_chunk"), "mean_score")
         ht, mt = histogram(storage.table_path(ctx.root, "tag_judge_by_tag"), "mean_score")
-        _, ms = histogram(storage.table_path(ctx.root, "tag_judgements"), "score")
+        _, ms = histogram(storage.table_path(ctx.root, "tag_judgements"), "expected_score")
         png = plot_judge_histograms(hc, ht, title=f"Stage 1 tag relevance (judge: {self.engine.model})")
         plot = ctx.root.join("plots", "tag_judge.png")
         storage.write_bytes_atomic(plot, png)
@@ -307,7 +300,8 @@ class JudgeStage(LLMStage):
             "chunks": pc_["rows"],
             "tags": pt_["rows"],
             "scored": published["rows"] - published["errors"],
-            "mean_score": ms,
+            "mean_score": ms,  # of the expected score
+            "judge_prompt": self.cfg.judge.prompt,
             "mean_chunk_score": mc,
             "mean_tag_score": mt,
             "plot": plot.uri,
@@ -348,13 +342,38 @@ def _run_stage(name: str, root: Location, cfg: RunConfig) -> dict:
     return REGISTRY[name].run(StageContext(root, cfg, cfg.run_id or "", name))
 
 
+def parse_judgements(texts: list[str | None], errors: list[str | None]) -> dict[str, list]:
+    """Choice-scoring answers of the judge -> columns ``expected_score`` (sum of k * P(k) over
+    k = 1..5, renormalised), ``score`` (the most probable answer), ``answer_probs`` (P(1..5)),
+    ``choice_mass`` (raw probability the model put on the five answers) and ``error``."""
+    out: dict[str, list] = {k: [] for k in ("expected_score", "score", "answer_probs", "choice_mass", "error")}
+    for raw, err in zip(texts, errors):
+        exp = score = probs = mass = None
+        if err is None:
+            try:
+                d = parse_score_text(raw)
+                if sorted(d) != sorted(prompts.JUDGE_CHOICES):
+                    raise ValueError(f"scored answers {sorted(d)} are not 1..5")
+                probs = [d[c] for c in prompts.JUDGE_CHOICES]
+                exp = expected_score(probs)
+                score = 1 + max(range(len(probs)), key=probs.__getitem__)
+                mass = json.loads(raw).get("mass")
+            except ValueError as e:
+                err, exp, score, probs = f"judge output unusable: {e}", None, None, None
+        for k, v in (("expected_score", exp), ("score", score), ("answer_probs", probs), ("choice_mass", mass), ("error", err)):
+            out[k].append(v)
+    return out
+
+
 def aggregate_judgements(j: pa.Table) -> tuple[pa.Table, pa.Table]:
-    """Per-chunk and per-tag mean scores (unscored pairs count in n_* but not in the mean).
-    The stage applies it to hash partitions of ``tag_judgements`` (one group-by per block)."""
+    """Per-chunk and per-tag means of the expected score (unscored pairs count in n_* but not
+    in the mean). The stage applies it to hash partitions of ``tag_judgements`` (one group-by
+    per block)."""
 
     def agg(key: str, count_name: str, schema: pa.Schema) -> pa.Table:
-        g = j.select([key, "score"]).group_by(key).aggregate([("score", "count", pc.CountOptions(mode="all")), ("score", "mean")])
-        t = pa.table({key: g.column(key), count_name: g.column("score_count"), "mean_score": g.column("score_mean")})
+        v = "expected_score"
+        g = j.select([key, v]).group_by(key).aggregate([(v, "count", pc.CountOptions(mode="all")), (v, "mean")])
+        t = pa.table({key: g.column(key), count_name: g.column(f"{v}_count"), "mean_score": g.column(f"{v}_mean")})
         return schemas.conform(t.sort_by(key), schema)
 
     return agg("chunk_id", "n_tags", schemas.TAG_JUDGE_BY_CHUNK), agg("tag", "n_chunks", schemas.TAG_JUDGE_BY_TAG)

@@ -12,14 +12,42 @@ bootstrap 95% CI (resampling chunks, since the pairs of one chunk are correlated
 (the chance that a random real pair outscores a random shuffled one). Target for the judge
 Stage 1 uses: difference >= 1.0 point with the CI above 0.
 
-Judges (``--judges``):
-  gemma-prob      Gemma 3 270M base, few-shot, expected score from P(answer) over 1..5
-  smollm-prob     SmolLM2-135M-Instruct, chat few-shot, expected score from P(answer)
-  smollm-sampled  the old judge: SmolLM2, one greedy token constrained to 1..5 (baseline)
-  gemma-sampled   the same sampled judge on Gemma
+Judges (``--judges``, ``model-mode[:style]``): model ``gemma`` (Gemma 3 270M base, few-shot
+completion) or ``smollm`` (SmolLM2-135M-Instruct, the same examples as chat turns); mode
+``prob`` (expected score from P(answer) over 1..5, what Stage 1 uses) or ``sampled`` (one
+greedy token constrained to 1..5, the old judge); style one of
+``atlas.engine.prompts.JUDGE_STYLES`` (``rubric``: the first judge's five-point rubric and 8
+examples; ``extremes``: 16 examples scored only 5 or 1, grouped by text; ``graded``: as
+extremes plus a "3 = loosely related" example per text; ``question``: "Is this text about
+<tag>? Answer 1 (no) to 5 (yes).").
 
-Run:  python benchmarks/judge_discrimination.py [--chunks 60] [--tags-json /tmp/tags.json]
-(``--tags-json``: reuse the tags of an earlier run, written there on first use.)
+Run:  python benchmarks/judge_discrimination.py [--chunks 80] [--tags-json /tmp/tags.json]
+      [--judge-chunks 31] [--judges gemma-prob:extremes,smollm-prob:rubric]
+(``--tags-json``: reuse the tags of an earlier run, written there on first use;
+``--judge-chunks``: judge an evenly spaced subset of the tagged chunks.)
+
+Measured (vLLM CPU, 2 cores shared with other sessions: load averages 30-45, so timings are
+rough; tags from the Stage 1 tagger on 80 demo chunks, 261 tags, 0 chunks without tags):
+
+| judge (model, mode, prompt)      | chunks | pairs real/shuf | real | shuffled | diff  | 95% CI         | AUC  | P(1..5) mass | load |
+| -------------------------------- | ------ | --------------- | ---- | -------- | ----- | -------------- | ---- | ------------ | ---- |
+| smollm prob rubric (main, before)| 60?    | 161/161         | 2.52 | 2.51     | 0.01  | n/a            |      |              |      |
+| smollm prob rubric               | 27     | 91/91           | 2.55 | 2.54     | 0.01  | [-0.01, 0.02]  | 0.51 | 0.871        | 39.3 |
+| gemma prob extremes              | 20     | 67/67           | 2.63 | 2.56     | 0.06  | [0.02, 0.11]   | 0.59 | 0.959        | 31.4 |
+| gemma prob extremes (this script)| 31     | 100/100         | 2.64 | 2.57     | 0.07  | [0.02, 0.12]   | 0.61 | 0.961        | 49.6 |
+| smollm prob extremes/graded/question | 27 | -               | prompts over the then max_model_len 1024 in chat form (1.1-1.5k tokens); now 2048, not rerun |
+| gemma prob question              | 20     | -               | stopped after 10 min at load 34 (half done), no figure |
+| gemma prob rubric / graded       | -      | -               | not run (time) |
+
+(The first three rows and the last three come from the same code path in a dev loop over a
+stride subset of the 80 tagged chunks; the row marked "this script" is this benchmark.)
+Neither packaged tiny model reaches the 1.0-point target: Gemma 3 270M with the
+``extremes`` prompt is the only judge whose difference has a CI above 0, so it is the
+default (``judge.model``, ``judge.prompt``), but a difference of ~0.1 point means the judge
+barely separates a chunk's own tags from another article's. The script run (200 pairs,
+total 1148 s of which 583 s engine start-up, 0.36 pairs/s at load ~50, prefix-cache hit
+rate 0.91) agrees with the dev loop (0.06 on 134 pairs). A judge that meets the target
+needs a larger model (judge.model accepts any HF directory) or a GPU run of this benchmark.
 """
 
 from __future__ import annotations
@@ -55,7 +83,8 @@ def pick_chunks(n: int):
 def engine_cfg(model: str, backend: str):
     from atlas.config import EngineConfig
 
-    return EngineConfig(model=model, backend=backend, max_model_len=1024, max_num_seqs=64, batch_size=32, kv_cache_gib=1.0)
+    # 2048: the chat form of the 16-example prompts is ~1.3k tokens for SmolLM's template.
+    return EngineConfig(model=model, backend=backend, max_model_len=2048, max_num_seqs=64, batch_size=32, kv_cache_gib=1.0)
 
 
 def make_tags(texts: list[str], backend: str, be=None) -> tuple[list[list[str]], dict]:
@@ -108,13 +137,14 @@ def derangement_across_docs(doc_ids: list[str]) -> list[int]:
     return perm
 
 
-def run_judge(be, model: str, mode: str, pairs: list[tuple[int, str]], texts: list[str]) -> tuple[list[float | None], dict]:
-    """Scores for (chunk index, tag) pairs; mode 'prob' (expected score) or 'sampled' (old judge)."""
+def run_judge(be, model: str, mode: str, pairs: list[tuple[int, str]], texts: list[str], style: str = "rubric") -> tuple[list[float | None], dict]:
+    """Scores for (chunk index, tag) pairs; mode 'prob' (expected score) or 'sampled' (old
+    judge); ``style``: the judge prompt (prompts.JUDGE_STYLES)."""
     from atlas.engine import Engine, Sampling, expected_score, parse_score_text, prompts
 
     eng = Engine(engine_cfg(model, be.name))
     template = eng.chat_template
-    ps = [prompts.judge_prompt(texts[c], tag, template) for c, tag in pairs]
+    ps = [prompts.judge_prompt(texts[c], tag, template, style=style) for c, tag in pairs]
     if mode == "prob":
         sampling = Sampling(**prompts.judge_sampling_kwargs())
     else:
@@ -136,7 +166,7 @@ def run_judge(be, model: str, mode: str, pairs: list[tuple[int, str]], texts: li
         if s is None:
             errors.append(r.error or f"answer {r.text!r} not in 1..5")
         scores.append(s)
-    info = {"seconds": round(dt, 1), "pairs/s": round(len(ps) / dt, 2) if dt else None, "errors": len(errors)}
+    info = {"seconds": round(dt, 1), "pairs/s": round(len(ps) / dt, 2) if dt else None, "errors": len(errors), "loadavg": round(os.getloadavg()[0], 1)}
     if m0 is not None:
         from atlas.engine import metrics_delta
 
@@ -178,9 +208,10 @@ def auc(real: list[float], shuf: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=60)
-    ap.add_argument("--judges", default="gemma-prob,gemma-sampled,smollm-prob,smollm-sampled")
+    ap.add_argument("--judges", default="gemma-prob:extremes,gemma-prob:rubric,smollm-prob:extremes,smollm-prob:rubric")
     ap.add_argument("--backend", default="vllm", choices=["vllm", "transformers"])
     ap.add_argument("--tags-json", default=None, help="reuse / store the tagger's output here")
+    ap.add_argument("--judge-chunks", type=int, default=None, help="judge an evenly spaced subset of this many tagged chunks")
     ap.add_argument("--bootstrap", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -203,6 +234,9 @@ def main() -> None:
         tags, tag_info = make_tags(texts, args.backend, engines.get("gemma"))
         if args.tags_json:
             Path(args.tags_json).write_text(json.dumps({"chunk_ids": ids, "tags": tags}))
+    if args.judge_chunks and args.judge_chunks < len(ids):
+        keep = [int(i * len(ids) / args.judge_chunks) for i in range(args.judge_chunks)]
+        ids, docs, texts, tags = ([x[i] for i in keep] for x in (ids, docs, texts, tags))
     perm = derangement_across_docs(docs)
     real = [(i, t) for i in range(len(ids)) for t in tags[i]]
     shuf = [(i, t) for i in range(len(ids)) for t in tags[perm[i]]]
@@ -215,12 +249,16 @@ def main() -> None:
         print(f"  {ids[i]}: real {tags[i]} | shuffled (from {ids[perm[i]]}) {tags[perm[i]]}")
 
     judges = [j for j in args.judges.split(",") if j]
-    by_model: dict[str, list[str]] = {}
+    from atlas.engine import prompts
+
+    by_model: dict[str, list[tuple[str, str]]] = {}
     for j in judges:
-        m, mode = j.split("-")
-        if m not in MODELS or mode not in ("prob", "sampled"):
-            raise SystemExit(f"unknown judge {j!r}")
-        by_model.setdefault(m, []).append(mode)
+        m, _, rest = j.partition("-")
+        mode, _, style = rest.partition(":")
+        style = style or "rubric"
+        if m not in MODELS or mode not in ("prob", "sampled") or style not in prompts.JUDGE_STYLES:
+            raise SystemExit(f"unknown judge {j!r} (model-mode[:style], style one of {prompts.JUDGE_STYLES})")
+        by_model.setdefault(m, []).append((mode, style))
     rows = []
     for m, modes in by_model.items():
         cfg = engine_cfg(MODELS[m], args.backend)
@@ -228,8 +266,16 @@ def main() -> None:
         be = engines.pop(m, None) or make_backend(resolve_model(MODELS[m]), cfg)
         load = time.perf_counter() - t0
         try:
-            for mode in modes:
-                sc, info = run_judge(be, MODELS[m], mode, real + shuf, texts)
+            for mode, style in modes:
+                name = f"{m}-{mode}:{style}"
+                # Chunk-ordered, so the real and shuffled pairs of one chunk share its text as a
+                # cached prefix.
+                allp = real + shuf
+                order = sorted(range(len(allp)), key=lambda k: allp[k][0])
+                sc_o, info = run_judge(be, MODELS[m], mode, [allp[k] for k in order], texts, style)
+                sc = [None] * len(allp)
+                for k, v in zip(order, sc_o):
+                    sc[k] = v
                 rs, ss = sc[: len(real)], sc[len(real) :]
                 r_by: dict[int, list[float]] = {}
                 s_by: dict[int, list[float]] = {}
@@ -242,23 +288,23 @@ def main() -> None:
                 rv = [v for v in rs if v is not None]
                 sv = [v for v in ss if v is not None]
                 if not rv or not sv:
-                    rows.append((f"{m}-{mode}", float("nan"), float("nan"), float("nan"), float("nan"), float("nan"), float("nan"), info, load))
+                    rows.append((name, float("nan"), float("nan"), float("nan"), float("nan"), float("nan"), float("nan"), info, load))
                     continue
                 diff, lo, hi = cluster_bootstrap(r_by, s_by, args.bootstrap, args.seed)
-                rows.append((f"{m}-{mode}", sum(rv) / len(rv), sum(sv) / len(sv), diff, lo, hi, auc(rv, sv), info, load))
-                print(f"  {m}-{mode}: {rows[-1][:7]} {info} (engine load {load:.0f}s, loadavg {os.getloadavg()[0]:.1f})", flush=True)
+                rows.append((name, sum(rv) / len(rv), sum(sv) / len(sv), diff, lo, hi, auc(rv, sv), info, load))
+                print(f"  {name}: {rows[-1][:7]} {info} (engine load {load:.0f}s, loadavg {os.getloadavg()[0]:.1f})", flush=True)
         finally:
             be.close()
 
     print()
-    hdr = f"{'judge':16s} {'real':>6s} {'shuffled':>8s} {'diff':>6s} {'95% CI (chunk bootstrap)':>25s} {'AUC':>5s} {'pairs/s':>8s} {'errors':>6s} {'P(1..5) mass':>12s}"
+    hdr = f"{'judge':24s} {'real':>6s} {'shuffled':>8s} {'diff':>6s} {'95% CI (chunk bootstrap)':>25s} {'AUC':>5s} {'pairs/s':>8s} {'errors':>6s} {'P(1..5) mass':>12s} {'load':>5s}"
     print(hdr)
     print("-" * len(hdr))
     for name, r, s, d, lo, hi, a, info, _ in rows:
         mass = info.get("mean_choice_mass")
         print(
-            f"{name:16s} {r:6.2f} {s:8.2f} {d:6.2f} {f'[{lo:.2f}, {hi:.2f}]':>25s} {a:5.2f} {info.get('pairs/s') or 0:8.2f} "
-            f"{info['errors']:6d} {'' if mass is None else f'{mass:.3f}':>12s}"
+            f"{name:24s} {r:6.2f} {s:8.2f} {d:6.2f} {f'[{lo:.2f}, {hi:.2f}]':>25s} {a:5.2f} {info.get('pairs/s') or 0:8.2f} "
+            f"{info['errors']:6d} {'' if mass is None else f'{mass:.3f}':>12s} {info['loadavg']:5.1f}"
         )
     print(f"\n(real pairs {len(real)}, shuffled pairs {len(shuf)}, {len(ids)} chunks, bootstrap reps {args.bootstrap}; target: diff >= 1.00 with CI above 0)")
     print(f"(prob judges: expected score over P(1..5) renormalised; 'P(1..5) mass' = raw probability the model put on the five answers)")

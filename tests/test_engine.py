@@ -113,6 +113,15 @@ def test_prompts_share_prefix_and_end_in_query():
     j1 = prompts.judge_prompt("Some text.", "tag one")
     j2 = prompts.judge_prompt("Some text.", "tag two")
     assert os.path.commonprefix([j1, j2]).endswith("Text: Some text.\nTag: tag ")
+    others = prompts.judge_prompt("Other text.", "tag one")
+    for style in prompts.JUDGE_STYLES:  # every style: shared preamble, then text, then tag
+        a, b = (prompts.judge_prompt("Some text.", t, style=style) for t in ("tag one", "tag two"))
+        c = prompts.judge_prompt("Other text.", "tag one", style=style)
+        assert "Text: Some text.\n" in os.path.commonprefix([a, b]) and a.endswith((": ",)), style
+        assert len(os.path.commonprefix([a, c])) > 0.8 * len(a) - 40, style
+    assert prompts.judge_prompt("Some text.", "tag one", style=prompts.DEFAULT_JUDGE_STYLE) == j1 != others
+    with pytest.raises(ValueError, match="unknown judge prompt style 'nope'"):
+        prompts.judge_prompt("Some text.", "tag", style="nope")
 
 
 def test_expected_score_math():
@@ -327,3 +336,136 @@ def test_vllm_and_transformers_score_choices_agree(vllm_backend, gemma_dir):
         assert a.choice_mass == pytest.approx(b.choice_mass, abs=0.05)
     hb = hf.generate([bad], bad_s)[0]
     assert hb.permanent and "share their first token" in hb.error
+
+
+# ------------------------------------------------------------------ engine child processes
+
+# A stand-in for vLLM's process tree: a child (like VLLM::EngineCore) that starts a grandchild
+# (like VLLM::Worker) which ignores SIGTERM, as a worker stuck in a compute step does.
+_TREE = (
+    "import subprocess, sys, time; "
+    "subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']); "
+    "time.sleep(600)"
+)
+
+
+def _start_tree(reaper, timeout: float = 60.0) -> list[int]:
+    import time
+
+    subprocess.Popen([sys.executable, "-c", _TREE])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = reaper.scan()
+        if len(pids) >= 2:
+            return pids
+        time.sleep(0.2)
+    raise AssertionError(f"process tree did not start: {reaper.scan()}")
+
+
+def _wait_gone(pids: list[int], timeout: float = 60.0) -> list[int]:
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    alive = pids
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            break
+        time.sleep(0.2)
+    return alive
+
+
+def test_child_reaper_close_kills_stuck_descendants():
+    from atlas.engine.core import ChildReaper
+
+    reaper = ChildReaper(poll_s=0.2)
+    pids = _start_tree(reaper)
+    signalled = reaper.close(grace_s=1.0)
+    assert sorted(signalled) == sorted(pids)
+    assert _wait_gone(pids) == []
+    assert reaper.close() == []  # twice is harmless
+
+
+def test_engine_children_die_with_their_sigkilled_owner(tmp_path):
+    """An owner killed with SIGKILL (a benchmark or notebook process killed by ``timeout`` /
+    the OOM killer) runs no cleanup: the watchdog must take its child and SIGTERM-proof
+    grandchild with it (without it both live on, re-parented to init)."""
+    import signal
+
+    owner = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        sys.path.insert(0, {str(REPO / "tests")!r})
+        from atlas.engine.core import ChildReaper
+        from test_engine import _start_tree
+        print(*_start_tree(ChildReaper(poll_s=0.2)), flush=True)
+        time.sleep(600)
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", owner], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    pids = [int(x) for x in p.stdout.readline().split()]
+    assert len(pids) >= 2, pids
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    alive = _wait_gone(pids)
+    for pid in alive:  # leave nothing behind even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert alive == []
+
+
+def test_engine_children_die_with_a_killed_ray_actor(ray_cluster):
+    """An actor process SIGKILLed (OOM killer, a crash) runs no cleanup at all, neither its
+    Python code nor Ray's: the watchdog must still take its child and (SIGTERM-proof)
+    grandchild with it."""
+    import signal
+
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Owner:
+        def start(self):
+            from atlas.engine.core import ChildReaper
+
+            self.reaper = ChildReaper(poll_s=0.2)  # what VLLMBackend holds while its engine lives
+            return os.getpid(), _start_tree(self.reaper)
+
+    owner = Owner.remote()
+    actor_pid, pids = ray.get(owner.start.remote(), timeout=120)
+    assert len(pids) >= 2 and actor_pid not in pids
+    os.kill(actor_pid, signal.SIGKILL)
+    try:
+        assert _wait_gone([actor_pid, *pids]) == []
+    finally:
+        ray.kill(owner, no_restart=True)
+
+
+def test_engine_actor_replaces_an_engine_that_failed():
+    """A batch whose engine raises (e.g. vLLM's core died) gets transient errors (not cached),
+    the engine is closed, and the next batch starts a fresh one."""
+    import pyarrow as pa
+
+    from atlas.engine import EngineActor
+    from atlas.engine.core import EngineDead
+
+    actor = EngineActor("unused", EngineConfig(backend="test").model_dump(), model_id="m")
+    closed = []
+
+    def batch(prompt: str) -> pa.Table:
+        s = Sampling(max_tokens=8).key()
+        return pa.table({"key": ["k"], "prompt": [prompt], "sampling": [s], "request_hash": [request_hash("m", prompt, s)]})
+
+    first = actor._engine()
+    first.close = lambda: closed.append(True)
+
+    def dead(prompts, sampling):
+        raise EngineDead("vLLM engine died: EngineDeadError")
+
+    first.generate = dead
+    out = actor(batch("Text: lobsters live in the sea"))
+    assert "engine failure: EngineDead" in out.column("_a_error")[0].as_py() and closed == [True]
+    assert actor.backend is None
+    out = actor(batch("Text: lobsters live in the sea"))
+    assert out.column("_a_error")[0].as_py() is None and actor.backend is not None and actor.backend is not first

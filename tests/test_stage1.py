@@ -13,7 +13,7 @@ import pytest
 from atlas import schemas, storage
 from atlas.config import JudgeConfig, RunConfig, Stage1Config
 from atlas.engine import prompts
-from atlas.stage1_tags import aggregate_judgements, normalize_tag, normalize_tags, parse_tags
+from atlas.stage1_tags import aggregate_judgements, normalize_tag, normalize_tags, parse_judgements, parse_tags
 from tests.engine_fixtures import demo_chunks, small_engine_cfg  # ray_cluster comes from tests/conftest.py
 
 BAD_CHUNK = "zz-injected-00000"  # sorts last; its prompt exceeds max_model_len
@@ -46,18 +46,38 @@ def test_aggregate_judgements_means():
         {
             "chunk_id": ["c1", "c1", "c2", "c2"],
             "tag": ["t1", "t2", "t1", "t3"],
+            "expected_score": pa.array([4.5, 3.25, 1.5, None], pa.float64()),
             "score": pa.array([5, 3, 1, None], pa.int8()),
-            "raw_output": ["5", "3", "1", None],
             "error": [None, None, None, "bad"],
             "model": ["m"] * 4,
         }
     )
     by_c, by_t = aggregate_judgements(j)
     assert by_c.to_pylist() == [
-        {"chunk_id": "c1", "n_tags": 2, "mean_score": 4.0},
-        {"chunk_id": "c2", "n_tags": 2, "mean_score": 1.0},
+        {"chunk_id": "c1", "n_tags": 2, "mean_score": pytest.approx(3.875)},
+        {"chunk_id": "c2", "n_tags": 2, "mean_score": 1.5},
     ]
-    assert {r["tag"]: r["mean_score"] for r in by_t.to_pylist()} == {"t1": 3.0, "t2": 3.0, "t3": None}
+    assert {r["tag"]: r["mean_score"] for r in by_t.to_pylist()} == {"t1": 3.0, "t2": 3.25, "t3": None}
+
+
+def test_parse_judgements_expected_score_argmax_and_errors():
+    from atlas.engine import score_text
+
+    choices = prompts.JUDGE_CHOICES
+    ok = score_text(choices, [0.1, 0.0, 0.2, 0.3, 0.4], 0.75)
+    flat = score_text(choices, [0.2] * 5, 0.5)
+    wrong = score_text(["a", "b"], [0.5, 0.5], 1.0)
+    cols = parse_judgements([ok, flat, "5", wrong, None], [None, None, None, None, "engine failure: boom"])
+    assert cols["expected_score"][0] == pytest.approx(0.1 + 0.6 + 1.2 + 2.0)  # 3.9
+    assert cols["score"][:2] == [5, 1]  # argmax (ties: the lowest answer)
+    assert cols["expected_score"][1] == pytest.approx(3.0)
+    assert cols["answer_probs"][0] == pytest.approx([0.1, 0.0, 0.2, 0.3, 0.4]) and cols["choice_mass"][0] == pytest.approx(0.75)
+    assert cols["error"][:2] == [None, None]
+    # a sampled answer (old judge) or other choices are not scoring output; an engine error passes through
+    assert "not a choice-scoring output" in cols["error"][2] and "not 1..5" in cols["error"][3]
+    assert cols["error"][4] == "engine failure: boom"
+    for k in ("expected_score", "score", "answer_probs"):
+        assert cols[k][2:] == [None, None, None]
 
 
 # ------------------------------------------------------------------ integration
@@ -85,7 +105,7 @@ def stage1_run(ray_cluster, tmp_path_factory):
         engine=small_engine_cfg(max_model_len=1024),
         # The injected over-long chunk is 1 error in 13 by design; the small model may add a few.
         stage1=Stage1Config(max_tags=5, max_new_tokens=48, max_error_rate=0.5),
-        judge=JudgeConfig(sample_chunks=6, max_new_tokens=4),
+        judge=JudgeConfig(sample_chunks=6),
     )
     first = tag_chunks(root, cfg)
     t1 = storage.read_table(root, "chunk_tags")
@@ -160,18 +180,23 @@ def test_judge_scores_tables_and_plot(stage1_run):
     assert len({c for c, _ in got_pairs}) == min(6, len({c for c, _ in expected_pairs}))
     for r in j.to_pylist():
         if r["error"] is None:
-            assert isinstance(r["score"], int) and 1 <= r["score"] <= 5, r
+            # probabilities from the real engine: a distribution over 1..5, not one sampled token
+            p = r["answer_probs"]
+            assert len(p) == 5 and sum(p) == pytest.approx(1.0, abs=1e-4) and 0 < r["choice_mass"] <= 1.0 + 1e-6, r
+            assert r["expected_score"] == pytest.approx(sum((k + 1) * x for k, x in enumerate(p)), abs=1e-4), r
+            assert 1.0 <= r["expected_score"] <= 5.0 and r["score"] == 1 + p.index(max(p)), r
         else:
-            assert r["score"] is None and r["chunk_id"] in r["error"]
+            assert r["score"] is None and r["expected_score"] is None and r["chunk_id"] in r["error"]
+    assert js["scored"] > 0
     by_c = storage.read_table(root, "tag_judge_by_chunk").to_pylist()
     by_t = storage.read_table(root, "tag_judge_by_tag").to_pylist()
     rows = j.to_pylist()
     for rc in by_c:
-        s = [r["score"] for r in rows if r["chunk_id"] == rc["chunk_id"] and r["score"] is not None]
+        s = [r["expected_score"] for r in rows if r["chunk_id"] == rc["chunk_id"] and r["expected_score"] is not None]
         assert rc["n_tags"] == sum(r["chunk_id"] == rc["chunk_id"] for r in rows)
         assert rc["mean_score"] == pytest.approx(sum(s) / len(s))
     for rt in by_t:
-        s = [r["score"] for r in rows if r["tag"] == rt["tag"] and r["score"] is not None]
+        s = [r["expected_score"] for r in rows if r["tag"] == rt["tag"] and r["expected_score"] is not None]
         assert rt["n_chunks"] == sum(r["tag"] == rt["tag"] for r in rows)
         assert rt["mean_score"] == pytest.approx(sum(s) / len(s))
     assert {r["chunk_id"] for r in by_c} == {c for c, _ in got_pairs}

@@ -15,11 +15,13 @@ and :func:`expected_score` turn a row back into a score.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import math
 import os
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -90,6 +92,10 @@ class Result:
     # and the share of the raw next-token probability that fell on those choices.
     probs: tuple[float, ...] | None = None
     choice_mass: float | None = None
+
+
+class EngineDead(RuntimeError):
+    """The engine is gone (its core process died); the backend was closed and must be replaced."""
 
 
 class ScoreError(ValueError):
@@ -328,6 +334,139 @@ def metrics_delta(before: Mapping[str, float], after: Mapping[str, float]) -> di
     }
 
 
+# The watchdog of :class:`ChildReaper`: a separate process that learns the engine's child
+# processes on its stdin and kills those still alive once stdin closes, i.e. once the owner
+# closed the engine or died in any way (a SIGKILLed Ray actor runs no Python cleanup; the
+# kernel closes its end of the pipe all the same).
+_WATCHDOG = r"""
+import sys
+import psutil
+procs = {}
+for line in sys.stdin:
+    pid, created = line.split()
+    procs[int(pid)] = float(created)
+for pid, created in procs.items():
+    try:
+        p = psutil.Process(pid)
+        if abs(p.create_time() - created) < 0.01:  # the same process, not a reused pid
+            p.kill()
+    except psutil.Error:
+        pass
+"""
+
+
+class ChildReaper:
+    """Makes the child processes an engine starts (vLLM's ``VLLM::EngineCore`` and its
+    ``VLLM::Worker`` grandchildren) die with their owner.
+
+    vLLM stops them when ``shutdown()`` runs, but a Ray actor killed mid-step (RPC timeout,
+    ``ray.kill``, OOM) runs no shutdown, and a worker busy in a compute loop then outlives
+    the engine core as an orphan (parent pid 1) spinning on the CPU. A thread records every
+    descendant of this process while the engine lives and tells the watchdog process (its own
+    session, so signals to the owner's process group spare it); :meth:`close` kills what is
+    left now, the watchdog does it when the owner dies without closing.
+    """
+
+    def __init__(self, poll_s: float = 1.0):
+        import subprocess
+        import sys
+        import threading
+
+        import psutil
+
+        self._me = psutil.Process()
+        self._seen: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True, text=True
+        )
+        self._thread = threading.Thread(target=self._poll, args=(poll_s,), name="atlas-child-reaper", daemon=True)
+        self._thread.start()
+
+    def _poll(self, poll_s: float) -> None:
+        while not self._stop.wait(poll_s):
+            self.scan()
+
+    def scan(self) -> list[int]:
+        """Record the current descendants (returns their pids)."""
+        import psutil
+
+        pids = []
+        try:
+            kids = self._me.children(recursive=True)
+        except psutil.Error:
+            return pids
+        with self._lock:
+            for p in kids:
+                if p.pid == self._watchdog.pid:
+                    continue
+                try:
+                    created = p.create_time()
+                except psutil.Error:
+                    continue
+                pids.append(p.pid)
+                if self._seen.get(p.pid) != created:
+                    self._seen[p.pid] = created
+                    try:
+                        self._watchdog.stdin.write(f"{p.pid} {created}\n")
+                        self._watchdog.stdin.flush()
+                    except (OSError, ValueError):
+                        pass
+        return pids
+
+    def close(self, grace_s: float = 5.0) -> list[int]:
+        """Stop watching; terminate (then kill) recorded descendants still alive. Returns the
+        pids that had to be signalled. Safe to call twice."""
+        import psutil
+
+        if self._stop.is_set():
+            return []
+        self._stop.set()
+        self.scan()
+        alive = []
+        with self._lock:
+            for pid, created in self._seen.items():
+                try:
+                    p = psutil.Process(pid)
+                    if abs(p.create_time() - created) < 0.01:
+                        alive.append(p)
+                except psutil.Error:
+                    pass
+        for p in alive:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        _, left = psutil.wait_procs(alive, timeout=grace_s)
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(left, timeout=grace_s)
+        try:
+            self._watchdog.stdin.close()  # the watchdog finds nothing left to kill and exits
+            self._watchdog.wait(timeout=grace_s)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        return [p.pid for p in alive]
+
+
+_OPEN_BACKENDS: "weakref.WeakSet[Backend]" = weakref.WeakSet()
+
+
+def _close_open_backends() -> None:
+    for b in list(_OPEN_BACKENDS):
+        try:
+            b.close()
+        except Exception:  # noqa: BLE001 - interpreter exit, best effort
+            pass
+
+
+atexit.register(_close_open_backends)  # a Ray actor that exits normally closes its engine
+
+
 class VLLMBackend(Backend):
     name = "vllm"
 
@@ -356,7 +495,14 @@ class VLLMBackend(Backend):
         if cfg.device == "gpu":
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         t0 = time.perf_counter()
-        self.llm = LLM(**kwargs)
+        # Started before the engine, so children of an engine that hangs while loading die too.
+        self._reaper = ChildReaper()
+        _OPEN_BACKENDS.add(self)
+        try:
+            self.llm = LLM(**kwargs)
+        except BaseException:
+            self._reaper.close()
+            raise
         self.load_seconds = time.perf_counter() - t0
         self.tokenizer = self.llm.get_tokenizer()
 
@@ -368,6 +514,18 @@ class VLLMBackend(Backend):
             except Exception:  # noqa: BLE001 - best effort
                 pass
             self.llm = None
+        reaper = getattr(self, "_reaper", None)
+        if reaper is not None:
+            reaper.close()  # whatever shutdown() left behind (a worker stuck in a step)
+        _OPEN_BACKENDS.discard(self)
+
+    def _raise_if_dead(self, e: BaseException) -> None:
+        """A dead engine core fails every later request: close this backend (its processes
+        die, see :class:`ChildReaper`) and raise, so the owner starts a fresh one instead of
+        answering each remaining row with the same error."""
+        if type(e).__name__ == "EngineDeadError" or self.llm is None:
+            self.close()
+            raise EngineDead(f"vLLM engine died: {_short(e)}") from e
 
     def metrics(self) -> dict[str, float]:
         """Snapshot of vLLM's counters and histogram sums (see :func:`metrics_delta`)."""
@@ -414,11 +572,13 @@ class VLLMBackend(Backend):
             outs = self.llm.generate([prompts[i] for i in todo], params, use_tqdm=False)
             for i, o in zip(todo, outs):
                 results[i] = self._result(o)
-        except Exception:  # noqa: BLE001 - isolate the failing row(s), keep the rest
+        except Exception as e:  # noqa: BLE001 - isolate the failing row(s), keep the rest
+            self._raise_if_dead(e)
             for i in todo:
                 try:
                     results[i] = self._result(self.llm.generate([prompts[i]], params, use_tqdm=False)[0])
                 except Exception as e:  # noqa: BLE001
+                    self._raise_if_dead(e)
                     results[i] = Result(None, error=f"engine rejected the request: {_short(e)}")
         return results  # type: ignore[return-value]
 
@@ -447,11 +607,13 @@ class VLLMBackend(Backend):
             try:
                 for i, o in zip(idx, self.llm.generate([prompts[i] for i in idx], params, use_tqdm=False)):
                     results[i] = one(o)
-            except Exception:  # noqa: BLE001 - isolate the failing row(s), keep the rest
+            except Exception as e:  # noqa: BLE001 - isolate the failing row(s), keep the rest
+                self._raise_if_dead(e)
                 for i in idx:
                     try:
                         results[i] = one(self.llm.generate([prompts[i]], params, use_tqdm=False)[0])
                     except Exception as e:  # noqa: BLE001
+                        self._raise_if_dead(e)
                         results[i] = Result(None, error=f"engine rejected the scoring request: {_short(e)}")
         return results  # type: ignore[return-value]
 

@@ -96,22 +96,85 @@ def tag_prompt(text: str, chat_template=None) -> str:
     return chat_template(messages)
 
 
-def judge_prompt(text: str, tag: str, chat_template=None) -> str:
-    """The judge prompt for one (chunk, tag) pair. The chunk text precedes the tag so that all
-    tags of one chunk share a prompt prefix (prefix caching). The base-model prompt ends in
-    "Score: " (the separator included), so each answer "1".."5" starts with its own token and
-    one next-token distribution scores them all (``Sampling(score_choices=...)``)."""
+# Judge examples as (index into TAG_EXAMPLES, tag, score), grouped by text. "extremes" uses only
+# 5 (the text is about it) and 1 (it is not), the unrelated tags being other examples' topics:
+# a tiny model copies the scale it is shown, and a two-point scale puts its probability on the
+# ends, where real and unrelated pairs differ most (see benchmarks/judge_discrimination.py).
+JUDGE_EXTREME_EXAMPLES: list[tuple[int, str, int]] = [
+    (0, "volcanoes", 5), (0, "association football", 1), (0, "ancient rome", 5), (0, "rock music", 1),
+    (1, "photosynthesis", 1), (1, "association football", 5), (1, "volcanoes", 1), (1, "sports history", 5),
+    (2, "plant biology", 5), (2, "billboard charts", 1), (2, "chloroplasts", 5), (2, "pompeii", 1),
+    (3, "rock music", 5), (3, "biochemistry", 1), (3, "league championship", 1), (3, "music albums", 5),
+]
+JUDGE_GRADED_EXAMPLES: list[tuple[int, str, int]] = [
+    (0, "volcanoes", 5), (0, "association football", 1), (0, "tourism", 3), (0, "ancient rome", 5), (0, "rock music", 1),
+    (1, "photosynthesis", 1), (1, "association football", 5), (1, "coaching", 3), (1, "volcanoes", 1),
+    (2, "plant biology", 5), (2, "billboard charts", 1), (2, "chemistry", 3), (2, "pompeii", 1),
+    (3, "rock music", 5), (3, "biochemistry", 1), (3, "los angeles", 3), (3, "music albums", 5),
+]
+_EXTREME_INSTRUCTION = "Rate how relevant each tag is to the text: 5 = the text is about this topic, 1 = the text is not about this topic."
+_GRADED_INSTRUCTION = (
+    "Rate how relevant each tag is to the text: 5 = the text is about this topic, 3 = loosely related, "
+    "1 = the text is not about this topic."
+)
+_QUESTION_INSTRUCTION = "Decide whether each text is about the given topic."
+
+# The judge prompt styles (benchmarks/judge_discrimination.py measures each); the stage uses
+# judge.prompt, default DEFAULT_JUDGE_STYLE.
+JUDGE_STYLES = ("rubric", "extremes", "graded", "question")
+DEFAULT_JUDGE_STYLE = "extremes"
+
+
+def _question(tag: str) -> str:
+    return f'Is this text about "{tag}"? Answer 1 (no) to 5 (yes).'
+
+
+def judge_prompt(text: str, tag: str, chat_template=None, style: str = DEFAULT_JUDGE_STYLE) -> str:
+    """The judge prompt for one (chunk, tag) pair in one of :data:`JUDGE_STYLES`.
+
+    * ``rubric``: a five-point rubric and 8 examples, one per text (the first judge).
+    * ``extremes``: 16 examples scored only 5 (about it) or 1 (not), grouped by text.
+    * ``graded``: as extremes plus a "3 = loosely related" example per text.
+    * ``question``: "Is this text about <tag>? Answer 1 (no) to 5 (yes)." with the extremes' examples.
+
+    The examples form a shared preamble and the chunk text precedes the tag, so all prompts
+    share the preamble and all tags of one chunk share the text (vLLM prefix caching). The
+    base-model prompt ends in "Score: " / "Answer: " (the separator included), so each answer
+    "1".."5" starts with its own token and one next-token distribution scores them all
+    (``Sampling(score_choices=...)``)."""
+    if style not in JUDGE_STYLES:
+        raise ValueError(f"unknown judge prompt style {style!r}; choose one of {JUDGE_STYLES}")
     text = _clean(text)
-    if chat_template is None:
-        parts = [JUDGE_INSTRUCTION, ""]
+    if style == "rubric":
+        if chat_template is None:
+            parts = [JUDGE_INSTRUCTION, ""]
+            for ex_text, ex_tag, score in JUDGE_EXAMPLES:
+                parts += [f"Text: {ex_text}", f"Tag: {ex_tag}", f"Score: {score}", ""]
+            parts += [f"Text: {text}", f"Tag: {tag}", "Score: "]
+            return "\n".join(parts)
+        messages = [{"role": "system", "content": JUDGE_INSTRUCTION}]
         for ex_text, ex_tag, score in JUDGE_EXAMPLES:
-            parts += [f"Text: {ex_text}", f"Tag: {ex_tag}", f"Score: {score}", ""]
-        parts += [f"Text: {text}", f"Tag: {tag}", "Score: "]
+            messages += [{"role": "user", "content": f"Text: {ex_text}\nTag: {ex_tag}"}, {"role": "assistant", "content": str(score)}]
+        messages.append({"role": "user", "content": f"Text: {text}\nTag: {tag}"})
+        return chat_template(messages)
+    examples = JUDGE_GRADED_EXAMPLES if style == "graded" else JUDGE_EXTREME_EXAMPLES
+    instruction = {"extremes": _EXTREME_INSTRUCTION, "graded": _GRADED_INSTRUCTION, "question": _QUESTION_INSTRUCTION}[style]
+    if style == "question":
+        ask, label = ((lambda t: f"Question: {_question(t)}") if chat_template is None else _question), "Answer"
+    else:
+        ask, label = (lambda t: f"Tag: {t}"), "Score"
+    if chat_template is None:
+        parts = [instruction, ""]
+        for k, (ex_text, _) in enumerate(TAG_EXAMPLES):
+            parts.append(f"Text: {ex_text}")
+            parts += [f"{ask(t)}\n{label}: {sc}" for i, t, sc in examples if i == k]
+            parts.append("")
+        parts += [f"Text: {text}", ask(tag), f"{label}: "]
         return "\n".join(parts)
-    messages = [{"role": "system", "content": JUDGE_INSTRUCTION}]
-    for ex_text, ex_tag, score in JUDGE_EXAMPLES:
-        messages += [{"role": "user", "content": f"Text: {ex_text}\nTag: {ex_tag}"}, {"role": "assistant", "content": str(score)}]
-    messages.append({"role": "user", "content": f"Text: {text}\nTag: {tag}"})
+    messages = [{"role": "system", "content": instruction + " Answer with one digit."}]
+    for i, t, sc in examples:
+        messages += [{"role": "user", "content": f"Text: {TAG_EXAMPLES[i][0]}\n{ask(t)}"}, {"role": "assistant", "content": str(sc)}]
+    messages.append({"role": "user", "content": f"Text: {text}\n{ask(tag)}"})
     return chat_template(messages)
 
 

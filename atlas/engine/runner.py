@@ -117,6 +117,18 @@ class EngineActor:
             self.ready_at = time.time()
         return self.backend
 
+    def _drop_engine(self) -> None:
+        """Close the engine (its child processes die with it) so the next batch starts anew."""
+        b, self.backend = getattr(self, "backend", None), None
+        if b is not None:
+            try:
+                b.close()
+            except Exception:  # noqa: BLE001 - best effort; the reaper kills what is left
+                pass
+
+    def __del__(self) -> None:
+        self._drop_engine()
+
     def __call__(self, batch: pa.Table) -> pa.Table:
         n = batch.num_rows
         hashes = batch.column("request_hash").to_pylist()
@@ -148,6 +160,7 @@ class EngineActor:
                     results = self._engine().generate([prompts[i] for i in idx], Sampling.from_key(skey))
                 except Exception as e:  # noqa: BLE001 - never fail the job for one batch
                     results = [Result(None, error=f"engine failure: {type(e).__name__}: {e}")] * len(idx)
+                    self._drop_engine()  # the next batch starts a fresh engine
                 for i, r in zip(idx, results):
                     for j in todo[hashes[i]]:
                         out["text"][j], out["output_tokens"][j] = r.text, r.output_tokens
