@@ -208,6 +208,12 @@ class TrainConfig(BaseModel):
     # concepts + that many sampled negatives (+ the active top-k), so the known head's
     # backward is O(positions x (positives + negatives)) instead of O(positions x n).
     concept_negatives: int | None = Field(None, ge=1)
+    # Share of the auxiliary losses' gradient (concept loss via the known head, coverage via
+    # the reconstruction target) that reaches the backbone through h; the concept heads
+    # themselves always learn at full weight. At 1.0 the concept loss owns the shared
+    # backbone: its backbone gradient is 2-10x the LM's (tiny AR, concept weight 5) and,
+    # Adam normalising per parameter, the AR LM stalled at unigram level (+1.7 nats).
+    aux_backbone_grad: float = Field(0.1, ge=0, le=1)
 
     # Teacher forcing: k_hat = w * k_hat(labels) + (1 - w) * k_hat(predicted), with
     # w = tf_start for the first tf_hold_frac of steps, cosine to tf_final by tf_end_frac.
