@@ -220,7 +220,9 @@ def scale(data: Planted, tokens_per_param: float, batch: int, out_png: Path | No
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-min", type=float, default=20.0, help="wall-clock budget for all training runs")
+    # 1 thread: on the shared 2-core host (load ~25) a tiny step took 0.58 s at 1 thread, 8.5 s at 2
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--aux-backbone-grad", type=float, default=None, help="TrainConfig.aux_backbone_grad override")
     ap.add_argument("--size", default="small", choices=sorted(SIZES))
     ap.add_argument("--steps", type=int, default=3000, help="upper bound on steps per run")
     ap.add_argument("--fixed-steps", type=int, default=None, help="steps per run, skipping the budget fit")
@@ -250,6 +252,8 @@ def main() -> None:
           f"{data.train.labels.shape[1]}, concepts {CONCEPTS}, held-out positive rate {data.held_y.mean():.3f}")
     size = SIZES[args.size]
     tc_over = {"concept_weight": args.concept_weight}
+    if args.aux_backbone_grad is not None:
+        tc_over["aux_backbone_grad"] = args.aux_backbone_grad
     # Steps are fixed up front (same LR schedule for a family and its no-concept baseline):
     # time a few steps of each kind, then fit all five runs into the budget.
     if args.fixed_steps:
