@@ -196,6 +196,10 @@ def compute_losses(model, batch: dict, tcfg: TrainConfig, step: int = 0, total_s
     co = None
     if cfg.has_concepts:
         cm = model.concept
+        # h as the auxiliary losses see it: same value, gradient into the backbone scaled by
+        # aux_backbone_grad (the heads still get their full gradient); see TrainConfig.
+        a = getattr(tcfg, "aux_backbone_grad", 1.0)
+        ha = hs if a >= 1 else hs.detach() + a * (hs - hs.detach()) if a > 0 else hs.detach()
         # Known logits at the LM positions only (CDLM: soft-OR over masked positions).
         labels = batch.get("chunk_labels")
         cand = None
@@ -203,10 +207,10 @@ def compute_losses(model, batch: dict, tcfg: TrainConfig, step: int = 0, total_s
         if n_neg is not None and model.training and labels is not None and n_neg < cfg.n_known:  # eval scores all
             cand = concept_candidates(labels, n_neg, generator)
             c = cfg.concept_logit_clamp
-            known_sel = (hs @ cm.known_head.weight[cand].t().to(hs.dtype)
+            known_sel = (ha @ cm.known_head.weight[cand].t().to(hs.dtype)
                          + cm.known_head.bias[cand].to(hs.dtype)).clamp(-c, c)  # (M, |cand|)
         else:
-            known_sel = cm.known_logits(hs)  # (M, n): every concept gets a concept-loss gradient
+            known_sel = cm.known_logits(ha)  # (M, n): every concept gets a concept-loss gradient
         w = tcfg.teacher_forcing(step, total_steps) if teacher_weight is None else teacher_weight
         k_teacher = None
         chunk_ids = batch.get("chunk_ids")
@@ -222,7 +226,7 @@ def compute_losses(model, batch: dict, tcfg: TrainConfig, step: int = 0, total_s
             out["eps_dropped_frac"] = float(1 - seq_keep.mean())
         co = cm(hs, known_logits=known_sel if cand is None else None, k_hat_teacher=k_teacher, teacher_weight=w,
                 eps_keep=keep)
-        rec = reconstruction_loss(co.u_hat, hs - co.k_hat.detach())
+        rec = reconstruction_loss(co.u_hat, ha - co.k_hat.detach())
         indep = independence_loss(co.k_hat.detach(), co.u_hat)
         total = total + tcfg.rec_weight * rec + tcfg.indep_weight * indep
         out.update(rec_loss=rec.detach(), concept_independence_loss=indep.detach(), teacher_weight=float(w))

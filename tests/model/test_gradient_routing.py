@@ -117,3 +117,15 @@ def test_full_objective_reaches_every_parameter_with_eps_dropout():
     g = _grads(model, batch, teacher_weight=0.5, concept_weight=1.0, rec_weight=1.0, indep_weight=1.0,
                eps_dropout=0.5)
     assert _nonzero(g) == {n for n, _ in model.named_parameters()}
+
+
+def test_aux_backbone_grad_scales_only_the_backbone_share_of_the_auxiliary_losses():
+    model, batch = _setup()
+    aux = dict(concept_weight=1.0, rec_weight=1.0)
+    assert not (_extra(model, batch, aux_backbone_grad=0.0, **aux) & _backbone(model))  # backbone: LM only
+    base = _grads(model, batch)
+    full, half = _grads(model, batch, **aux), _grads(model, batch, aux_backbone_grad=0.5, **aux)
+    for n in _backbone(model):  # half the auxiliary gradient reaches the backbone
+        assert torch.allclose(half[n] - base[n], 0.5 * (full[n] - base[n]), atol=1e-6, rtol=1e-3), n
+    for n in KNOWN | UNKNOWN:  # the heads learn at full weight
+        assert torch.allclose(half[n], full[n], atol=1e-6, rtol=1e-4), n
