@@ -265,7 +265,9 @@ def write_table(root: Location, table: str, data: pa.Table) -> dict[str, Any]:
 
 def read_table(root: Location, table: str, columns: list[str] | None = None) -> pa.Table:
     loc = table_path(root, table)
-    return pq.read_table(loc.path, filesystem=loc.fs, columns=columns)
+    # Partitioned tables (annotations: source=<s>/part-*.parquet) keep the partition column
+    # inside their files; hive parsing of the directory names would add it a second time.
+    return pq.read_table(loc.path, filesystem=loc.fs, columns=columns, partitioning=None)
 
 
 def _require_shared(root: Location, table: str) -> None:
