@@ -147,19 +147,29 @@ def print_summary(manifest: dict, console: Any = None) -> None:
     console.print(table)
 
 
+class _JsonFileHandler(logging.FileHandler):
+    """A JSON-lines file handler whose format cannot be replaced: ``ray.init`` re-formats the
+    handlers of the "ray" logger with its own plain-text formatter."""
+
+    def __init__(self, path: str):
+        super().__init__(path, encoding="utf-8")
+        from atlas.logs import JsonFormatter
+
+        self.formatter = JsonFormatter()
+
+    def setFormatter(self, fmt: logging.Formatter | None) -> None:  # noqa: N802 - logging's name
+        pass
+
+
 def route_ray_logs(log_file: str | None) -> None:
     """Keep Ray's own log lines off the terminal: with a log file they go there (as JSON
     lines, like ours); without one only Ray's warnings reach the terminal. Ray Data's progress
     bars are off (ours replace them)."""
     import ray.data
 
-    from atlas.logs import JsonFormatter
-
     handlers: list[logging.Handler] = []
     if log_file:
-        fh = logging.FileHandler(log_file, encoding="utf-8")
-        fh.setFormatter(JsonFormatter())
-        handlers.append(fh)
+        handlers.append(_JsonFileHandler(log_file))
     else:
         sh = logging.StreamHandler()
         sh.setLevel(logging.WARNING)
