@@ -375,6 +375,9 @@ class ChildReaper:
         import psutil
 
         self._me = psutil.Process()
+        # Only processes started from now on are the engine's: an owner's older children (a
+        # local Ray cluster, a test's S3 server) must survive the engine.
+        self._since = time.time() - 0.5
         self._seen: dict[int, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -404,6 +407,8 @@ class ChildReaper:
                 try:
                     created = p.create_time()
                 except psutil.Error:
+                    continue
+                if created < self._since:
                     continue
                 pids.append(p.pid)
                 if self._seen.get(p.pid) != created:
@@ -495,13 +500,16 @@ class VLLMBackend(Backend):
         if cfg.device == "gpu":
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         t0 = time.perf_counter()
-        # Started before the engine, so children of an engine that hangs while loading die too.
-        self._reaper = ChildReaper()
+        # Started before the engine, so children of an engine that hangs while loading die too;
+        # only for an engine in processes of its own (the in-process CPU engine has none).
+        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+        self._reaper = None if in_process else ChildReaper()
         _OPEN_BACKENDS.add(self)
         try:
             self.llm = LLM(**kwargs)
         except BaseException:
-            self._reaper.close()
+            if self._reaper is not None:
+                self._reaper.close()
             raise
         self.load_seconds = time.perf_counter() - t0
         self.tokenizer = self.llm.get_tokenizer()
