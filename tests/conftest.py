@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +27,36 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def kill_marked_processes(marker: str) -> None:
+    """SIGKILL every process of a killed run's private Ray cluster, by PID, and wait until they
+    are gone. Killing the driver's process group is not enough: Ray's head processes start
+    sessions of their own, and their workers can still write for a moment. Workers retitle
+    themselves (``ray::MapWorker``), so the match is on the environment they inherit
+    (ATLAS_RAY_TMP=<marker>) as well as the command line."""
+    def matching() -> list[int]:
+        found = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                blob = Path(f"/proc/{pid}/cmdline").read_bytes() + Path(f"/proc/{pid}/environ").read_bytes()
+            except OSError:
+                continue
+            if marker.encode() in blob:
+                found.append(int(pid))
+        return found
+
+    deadline = time.time() + 30
+    while (pids := matching()) and time.time() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+    assert not matching(), f"processes marked {marker} still alive 30 s after SIGKILL"
 
 
 @pytest.fixture(scope="session")

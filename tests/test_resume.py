@@ -12,13 +12,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
 from atlas import storage
 from atlas.engine import GenerationCache
-from tests.conftest import DEMO_CORPUS, REPO
+from tests.conftest import DEMO_CORPUS, REPO, kill_marked_processes
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +35,13 @@ def _cmd(corpus, out, tokenizer, delay: float) -> list[str]:
     return args
 
 
-def _env() -> dict:
-    # The worktree's code must win in the subprocess and its Ray workers alike.
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": "", "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+def _env(ray_tmp: str = "/tmp") -> dict:
+    # The worktree's code must win in the subprocess and its Ray workers alike; ATLAS_RAY_TMP
+    # marks every process of the run's Ray cluster (see kill_marked_processes).
+    return {
+        **os.environ, "HF_HUB_OFFLINE": "1", "RAY_ADDRESS": "", "RAY_AUTH_MODE": "disabled",
+        "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "ATLAS_RAY_TMP": ray_tmp,
+    }
 
 
 def _run(args, timeout=1500) -> subprocess.CompletedProcess:
@@ -50,17 +55,6 @@ def _table_checksum(root) -> tuple[list[str], str]:
     ids = t.column("chunk_id").to_pylist()
     rows = [json.dumps(r, sort_keys=True) for r in t.to_pylist()]
     return ids, hashlib.sha256("\n".join(rows).encode()).hexdigest()
-
-
-def _group_gone(pgid: int, timeout: float = 60) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"processes of group {pgid} still alive {timeout}s after SIGKILL")
 
 
 def test_sigkill_mid_tagging_then_rerun_generates_only_what_was_not_cached(tmp_path, minilm_tokenizer_path):
@@ -86,7 +80,8 @@ def test_sigkill_mid_tagging_then_rerun_generates_only_what_was_not_cached(tmp_p
         shutil.copy(ref / "_stages" / f"{s}.json", out / "_stages" / f"{s}.json")
     cmd = _cmd(corpus, out, minilm_tokenizer_path, 0.15)
     cache_dir = out / "_cache" / "generations"
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    ray_tmp = tempfile.mkdtemp(prefix="resume-ray-")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(ray_tmp), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.time() + 900
         while len(list(cache_dir.glob("*.parquet"))) < 3:
@@ -94,10 +89,11 @@ def test_sigkill_mid_tagging_then_rerun_generates_only_what_was_not_cached(tmp_p
             assert time.time() < deadline, "no cache part appeared within 900 s"
             time.sleep(0.1)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver, its Ray head and workers: one group
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and what it started in its group
         proc.wait(timeout=60)
         proc.stderr.close()
-    _group_gone(proc.pid)
+        kill_marked_processes(ray_tmp)  # Ray's own sessions: nothing may write after the count below
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     root = storage.resolve(str(out))
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["stages"]["chunk"]["status"] == "skipped"

@@ -29,6 +29,7 @@ from atlas import schemas, storage
 from atlas.config import Stage3Config, StorageConfig
 from atlas.stage3 import annotate as job
 from atlas.stage3.annotators import Annotator, AnnotatorConfig, LinearHead
+from tests.conftest import kill_marked_processes
 from tests.stage3.fixtures import planted
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,33 +68,6 @@ def _digest(t: pa.Table) -> tuple[list[str], str]:
 def _read(root: storage.Location) -> pa.Table:
     loc = storage.table_path(root, "annotations")
     return pq.read_table(loc.path, filesystem=loc.fs, partitioning=None)
-
-
-def _kill_ray_leftovers(marker: str) -> None:
-    """SIGKILL every process of the killed run's private Ray cluster, by PID, and wait until
-    they are gone. Ray workers retitle themselves (``ray::MapWorker``), so the match is on the
-    environment they inherit (ATLAS_RAY_TMP=<marker>) as well as the command line."""
-    def matching() -> list[int]:
-        found = []
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit() or int(pid) == os.getpid():
-                continue
-            try:
-                blob = Path(f"/proc/{pid}/cmdline").read_bytes() + Path(f"/proc/{pid}/environ").read_bytes()
-            except OSError:
-                continue
-            if marker.encode() in blob:
-                found.append(int(pid))
-        return found
-
-    deadline = time.time() + 30
-    while (pids := matching()) and time.time() < deadline:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.2)
 
 
 @pytest.mark.slow
@@ -141,7 +115,7 @@ def test_sigkill_and_restart_writes_every_chunk_once(tmp_path, ray_cluster, s3_s
         if proc.poll() is None and not killed_with:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        _kill_ray_leftovers(ray_tmp)
+        kill_marked_processes(ray_tmp)
     assert killed_with, f"the run ended before it could be killed: {proc.stdout.read().decode()[-2000:]}"
     assert not storage.table_exists(root, "annotations"), "a killed run must not have published"
     parts = list(parts_dir.glob("v-*/source=*/part-*.parquet"))
@@ -150,7 +124,7 @@ def test_sigkill_and_restart_writes_every_chunk_once(tmp_path, ray_cluster, s3_s
     rows_before = sum(pq.ParquetFile(p).metadata.num_rows for p in parts)
 
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    _kill_ray_leftovers(ray_tmp)
+    kill_marked_processes(ray_tmp)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     stats = json.loads(done.stdout.strip().splitlines()[-1])
     # Only what was not yet written was annotated.
