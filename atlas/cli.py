@@ -74,11 +74,14 @@ GROUP BY lib.name ORDER BY chunks DESC, concept LIMIT 10"""
 def show_concepts(output: str) -> None:
     """Where the concept tables are, and a sample query over them with its result."""
     from atlas import query
+    from atlas.stage import load_stages
 
-    present = query.tables(output)
-    if not {"concepts", "annotations"} <= set(present):
+    present = set(query.tables(output))
+    if not {"concepts", "annotations"} <= present:
         return
-    print(f"\nconcept tables in {output}: " + ", ".join(t for t in ("concepts", "tag_concepts", "chunk_concepts", "annotations") if t in present))
+    stages = load_stages()
+    concept_tables = [t for s in ("stage2_concepts", "stage3_annotate") for t in stages[s].outputs if t in present]
+    print(f"\nconcept tables in {output}: " + ", ".join(concept_tables))
     one_line = " ".join(SAMPLE_QUERY.split())
     print(f'sample query:\n  atlas query {output} "{one_line}"')
     print(query.sql(output, SAMPLE_QUERY))

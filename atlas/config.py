@@ -208,6 +208,10 @@ class Stage3Config(_Section):
     actors: int = Field(default=1, ge=1, description="Annotation: annotator actors (each loads the model once).")
     cpus_per_actor: float = Field(default=1.0, gt=0)
     inference_batch_size: int = Field(default=4096, ge=1, description="Annotation: chunks per annotator call (featurising and decisions are vectorised per batch).")
+    judge_pairs: int = Field(
+        default=100, ge=0,
+        description="Held-out (chunk, predicted concept) pairs the Stage 1 judge rates, each beside the same chunk with a random concept (paper Fig. 10); 0 or judge.enabled=false: off.",
+    )
 
     @model_validator(mode="after")
     def _splits(self) -> "Stage3Config":

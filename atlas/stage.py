@@ -349,6 +349,21 @@ class StageContext:
         return ptr, {"errors": errors, "cached": cached, "generated": generated, "output_tokens": tokens, "error_samples": samples}
 
 
+# ---------------------------------------------------------------- small-Dataset helpers
+
+
+def keep_rows(ds: Any, column: str, values: Iterable[str]) -> Any:
+    """Rows of Dataset ``ds`` whose string ``column`` is in ``values`` (a small set, broadcast to the tasks)."""
+    vs = pa.array(sorted(set(values)), pa.string())
+    return ds.map_batches(lambda b: b.filter(pc.is_in(b.column(column), value_set=vs)), batch_format="pyarrow")
+
+
+def collect(ds: Any, schema: pa.Schema) -> pa.Table:
+    """A Dataset known to be small as one driver-side table (``schema``'s empty table when it has no rows)."""
+    parts = [b for b in ds.iter_batches(batch_size=None, batch_format="pyarrow") if b.num_rows]
+    return pa.concat_tables(parts) if parts else schema.empty_table()
+
+
 # ---------------------------------------------------------------- LLM stages
 
 

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 from atlas import schemas
 from atlas.config import RunConfig
 from atlas.engine import Sampling, expected_score, parse_score_text, prompts
-from atlas.stage import LLMStage, StageContext, register
+from atlas.stage import LLMStage, StageContext, collect, keep_rows, register
 from atlas.storage import Location
 
 _PUNCT_EDGE = re.compile(r"^[\W_]+|[\W_]+$", re.UNICODE)
@@ -111,12 +111,6 @@ def _sample_key(chunk_id: str) -> str:
     return hashlib.sha256(chunk_id.encode()).hexdigest()
 
 
-def _keep(ds, column: str, values: list[str]):
-    """Rows of ``ds`` whose ``column`` is in ``values`` (a small list, broadcast to tasks)."""
-    vs = pa.array(values, pa.string())
-    return ds.map_batches(lambda b: b.filter(pc.is_in(b.column(column), value_set=vs)), batch_format="pyarrow")
-
-
 @register
 class TagStage(LLMStage):
     name = "stage1_tags"
@@ -131,7 +125,7 @@ class TagStage(LLMStage):
     def source(self, ctx: StageContext):
         ds = ctx.read("chunks").select_columns(["chunk_id", "doc_id", "text"])
         if self.cfg.stage1.max_chunks:
-            ds = _keep(ds, "chunk_id", smallest(ds, self.cfg.stage1.max_chunks))
+            ds = keep_rows(ds, "chunk_id", smallest(ds, self.cfg.stage1.max_chunks))
         return ds
 
     def expected_rows(self, ctx: StageContext) -> int | None:
@@ -218,15 +212,14 @@ class JudgeStage(LLMStage):
             n = ctx.rows("chunk_tags") if k is None else k
             if k is not None:
                 ids = smallest(tags, k, key=_sample_key)
-                tags, chunks = _keep(tags, "chunk_id", ids), _keep(chunks, "chunk_id", ids)
+                tags, chunks = keep_rows(tags, "chunk_id", ids), keep_rows(chunks, "chunk_id", ids)
             return tags.join(chunks, join_type="inner", num_partitions=join_partitions(n), on=("chunk_id",))
         # A deterministic sample spread over documents: the chunks with the smallest hash. A
         # sample this small is cheaper to attach by value than by a shuffle join: its texts
         # (k rows) ride along with the tasks.
         ids = smallest(tags, k, key=_sample_key)
-        parts = [b for b in _keep(chunks, "chunk_id", ids).iter_batches(batch_size=None, batch_format="pyarrow")]
-        texts = pa.concat_tables(parts) if parts else pa.table({"chunk_id": pa.array([], pa.string()), "text": pa.array([], pa.string())})
-        return _keep(tags, "chunk_id", ids).map_batches(_attach, fn_kwargs={"texts": texts}, batch_format="pyarrow")
+        texts = collect(keep_rows(chunks, "chunk_id", ids), pa.schema({"chunk_id": pa.string(), "text": pa.string()}))
+        return keep_rows(tags, "chunk_id", ids).map_batches(_attach, fn_kwargs={"texts": texts}, batch_format="pyarrow")
 
     def requests(self, batch: pa.Table) -> pa.Table:
         template = self.engine.chat_template
@@ -363,6 +356,21 @@ def parse_judgements(texts: list[str | None], errors: list[str | None]) -> dict[
         for k, v in (("expected_score", exp), ("score", score), ("answer_probs", probs), ("choice_mass", mass), ("error", err)):
             out[k].append(v)
     return out
+
+
+def judge_pairs(engine: Any, pairs: list[tuple[str, str]], style: str, cache_root: Location | None = None) -> list[float | None]:
+    """The judge as a function: expected relevance score (1-5) of each (text, tag or concept
+    name) pair, None where the judge could not score it. Small in-memory lists (evaluation
+    samples); the stage streams instead."""
+    sampling = Sampling(**prompts.judge_sampling_kwargs()).key()
+    template = engine.chat_template
+    req = pa.table({
+        "key": pa.array([str(k) for k in range(len(pairs))], pa.string()),
+        "prompt": pa.array([prompts.judge_prompt(text, tag, template, style=style) for text, tag in pairs], pa.string()),
+        "sampling": pa.array([sampling] * len(pairs), pa.string()),
+    })
+    answers, _ = engine.generate(req, cache_root=cache_root)
+    return parse_judgements(answers.column("text").to_pylist(), answers.column("error").to_pylist())["expected_score"]
 
 
 def aggregate_judgements(j: pa.Table) -> tuple[pa.Table, pa.Table]:

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from model.config import ModelConfig, TrainConfig  # noqa: E402
-from model.corpus import PackedData, read_documents  # noqa: E402
+from model.corpus import PackedData  # noqa: E402
 from model.loop import make_optimizer, train_step  # noqa: E402
 from model.metrics import auc, concept_rank_alignment, evaluate  # noqa: E402
 from model.modeling import Steerling  # noqa: E402

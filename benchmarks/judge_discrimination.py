@@ -65,6 +65,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+NULL_TEXT = "N/A"  # contextual calibration (Zhao et al. 2021, "Calibrate Before Use"): the content-free input
 MODELS = {"gemma": "embedded:gemma3-270m", "smollm": "embedded:smollm2-135m-instruct"}
 
 
@@ -145,21 +146,29 @@ def run_judge(be, model: str, mode: str, pairs: list[tuple[int, str]], texts: li
     eng = Engine(engine_cfg(model, be.name))
     template = eng.chat_template
     ps = [prompts.judge_prompt(texts[c], tag, template, style=style) for c, tag in pairs]
-    if mode == "prob":
+    if mode in ("prob", "calib"):
         sampling = Sampling(**prompts.judge_sampling_kwargs())
     else:
         sampling = Sampling(max_tokens=4, temperature=0.0, choice=tuple(prompts.judge_choices(template)))
     m0 = be.metrics() if hasattr(be, "metrics") else None
     t0 = time.perf_counter()
     res = be.generate(ps, sampling)
+    null: dict[str, dict[str, float]] = {}
+    if mode == "calib":  # the judge's answer prior for each tag, read on a content-free text
+        distinct = sorted({tag for _, tag in pairs})
+        nres = be.generate([prompts.judge_prompt(NULL_TEXT, tag, template, style=style) for tag in distinct], sampling)
+        null = {tag: parse_score_text(r.text) for tag, r in zip(distinct, nres) if r.error is None}
     dt = time.perf_counter() - t0
     scores: list[float | None] = []
     errors, masses = [], []
-    for r in res:
+    for (_, tag), r in zip(pairs, res):
         s = None
         if r.error is None:
-            if mode == "prob":
-                s = expected_score(parse_score_text(r.text))
+            if mode in ("prob", "calib"):
+                probs = parse_score_text(r.text)
+                if mode == "calib" and tag in null:
+                    probs = {k: v / max(null[tag][k], 1e-6) for k, v in probs.items()}
+                s = expected_score(probs)
                 masses.append(r.choice_mass)
             elif (r.text or "").strip() in prompts.JUDGE_CHOICES:
                 s = float(r.text.strip())
@@ -256,7 +265,7 @@ def main() -> None:
         m, _, rest = j.partition("-")
         mode, _, style = rest.partition(":")
         style = style or "rubric"
-        if m not in MODELS or mode not in ("prob", "sampled") or style not in prompts.JUDGE_STYLES:
+        if m not in MODELS or mode not in ("prob", "calib", "sampled") or style not in prompts.JUDGE_STYLES:
             raise SystemExit(f"unknown judge {j!r} (model-mode[:style], style one of {prompts.JUDGE_STYLES})")
         by_model.setdefault(m, []).append((mode, style))
     rows = []
@@ -307,7 +316,7 @@ def main() -> None:
             f"{info['errors']:6d} {'' if mass is None else f'{mass:.3f}':>12s} {info['loadavg']:5.1f}"
         )
     print(f"\n(real pairs {len(real)}, shuffled pairs {len(shuf)}, {len(ids)} chunks, bootstrap reps {args.bootstrap}; target: diff >= 1.00 with CI above 0)")
-    print(f"(prob judges: expected score over P(1..5) renormalised; 'P(1..5) mass' = raw probability the model put on the five answers)")
+    print("(prob judges: expected score over P(1..5) renormalised; 'P(1..5) mass' = raw probability the model put on the five answers)")
     print(f"total {time.perf_counter() - t_start:.0f}s, os.getloadavg()={tuple(round(x, 1) for x in os.getloadavg())} on {os.cpu_count()} cores")
     ok = [n for n, r, s, d, lo, hi, *_ in rows if not math.isnan(d) and d >= 1.0 and lo > 0]
     print(f"judges meeting the target: {ok or 'none'}")

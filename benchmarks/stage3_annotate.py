@@ -128,7 +128,6 @@ def main() -> int:
     p.add_argument("--speed-chunks", type=int, default=None, help="time throughput on the first N test chunks (default: all)")
     p.add_argument("--job-chunks", type=int, default=100_000, help="chunks through the end-to-end Ray Data annotation job (0: skip)")
     args = p.parse_args()
-    import numpy as np
     import ray
     import torch
 

@@ -156,7 +156,6 @@ def concept_candidates(labels: torch.Tensor, n_neg: int, generator=None) -> torc
     """Known concepts scored by a bounded concept loss: every concept positive somewhere in
     the batch, plus ``n_neg`` uniformly sampled others. The negative term is a mean over
     negative pairs, so a uniform sample estimates it without bias."""
-    n = labels.shape[1]
     pos = (labels > 0.5).any(0)
     pos_idx = pos.nonzero().squeeze(1)
     neg_pool = (~pos).nonzero().squeeze(1)

@@ -6,7 +6,6 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 from atlas import ingest, storage
 from atlas.config import IngestConfig, StorageConfig

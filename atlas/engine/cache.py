@@ -54,9 +54,7 @@ class GenerationCache:
         import ray.data
 
         cols = ["request_hash", "model", "text", "output_tokens", "finish_reason", "error"]
-        ds = ray.data.read_parquet(
-            self.loc.path, filesystem=self.loc.fs, columns=cols, file_extensions=["parquet"]
-        )
+        ds = ray.data.read_parquet(self.loc.path, filesystem=self.loc.fs, file_extensions=["parquet"]).select_columns(cols)
         return ds.rename_columns({c: prefix + c for c in cols if c != "request_hash"})
 
     def rows(self) -> int:

@@ -9,7 +9,6 @@ concept is still published, named by its anchor tag, with ``label_error`` set.
 
 from __future__ import annotations
 
-import json
 from typing import Callable
 
 import pyarrow as pa

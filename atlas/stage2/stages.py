@@ -11,12 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from atlas import schemas, storage
 from atlas.stage2 import embed, label, pipeline, quality, taxonomy
 
-from atlas.stage import register
+from atlas.stage import collect, keep_rows, register
 
 
 class _Stage2:
@@ -95,22 +94,15 @@ class LabelClusters(_Stage2):
 def example_candidates(ctx, clusters: pa.Table, n: int) -> tuple[pa.Table, pa.Table]:
     """The few chunk_tags rows and chunk texts the labeller's examples come from, filtered
     inside Ray Data (``chunk_tags`` and ``chunks`` never reach the driver whole)."""
-    import ray
-
-    empty = (pa.table({"chunk_id": pa.array([], pa.string()), "tags": pa.array([], pa.list_(pa.string()))}),
-             pa.table({"chunk_id": pa.array([], pa.string()), "text": pa.array([], pa.string())}))
+    tags_schema = pa.schema({"chunk_id": pa.string(), "tags": pa.list_(pa.string())})
+    texts_schema = pa.schema({"chunk_id": pa.string(), "text": pa.string()})
     wanted = label.example_tags(clusters)
     if n <= 0 or not wanted:
-        return empty
-    cand = ctx.read("chunk_tags").select_columns(["chunk_id", "tags"]).map_batches(
-        label.candidate_rows, fn_kwargs={"wanted": wanted, "n": n}, batch_format="pyarrow")
-    parts = ray.get(cand.to_arrow_refs())
-    chunk_tags = pa.concat_tables(parts) if parts else empty[0]
-    need = pa.array(sorted(set(chunk_tags.column("chunk_id").to_pylist())), pa.string())
-    texts = ctx.read("chunks").select_columns(["chunk_id", "text"]).map_batches(
-        lambda b: b.filter(pc.is_in(b.column("chunk_id"), value_set=need)), batch_format="pyarrow")
-    parts = ray.get(texts.to_arrow_refs())
-    return chunk_tags, (pa.concat_tables(parts) if parts else empty[1])
+        return tags_schema.empty_table(), texts_schema.empty_table()
+    chunk_tags = collect(ctx.read("chunk_tags").select_columns(["chunk_id", "tags"]).map_batches(
+        label.candidate_rows, fn_kwargs={"wanted": wanted, "n": n}, batch_format="pyarrow"), tags_schema)
+    texts = keep_rows(ctx.read("chunks").select_columns(["chunk_id", "text"]), "chunk_id", chunk_tags.column("chunk_id").to_pylist())
+    return chunk_tags, collect(texts, texts_schema)
 
 
 class BuildConcepts(_Stage2):

@@ -185,6 +185,7 @@ def annotate(
     if done:
         skipped = sum(pq.ParquetFile(p, filesystem=out.fs).metadata.num_rows for p in done.values())
     import ray
+    import ray.data
 
     todo = ds.select_columns(["chunk_id", "doc_id", "chunk_index", "source", "text"]).map_batches(
         _add_bucket, fn_kwargs={"buckets": buckets}, batch_format="pyarrow"
@@ -198,7 +199,7 @@ def annotate(
     annotated = todo.map_batches(
         AnnotateBatch,
         fn_constructor_kwargs={"annotator_uri": annotator_uri, "storage_cfg": scfg, "threads": max(1, int(s3.cpus_per_actor))},
-        batch_size=s3.inference_batch_size, batch_format="pyarrow", concurrency=s3.actors, num_cpus=reserve,
+        batch_size=s3.inference_batch_size, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=s3.actors), num_cpus=reserve,
     )
     # Shuffle partitions: about one per bucket (Ray's default of 200 is mostly empty tasks here).
     written = annotated.groupby(["source", "bucket"], num_partitions=max(1, min(64, buckets))).map_groups(

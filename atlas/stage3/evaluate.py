@@ -68,6 +68,8 @@ def metrics(pred: np.ndarray, true: np.ndarray) -> dict[str, Any]:
 def bootstrap_ci(pred: np.ndarray, true: np.ndarray, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> dict[str, tuple[float, float]]:
     """Percentile CIs of micro-F1 and pooled kappa, resampling chunks with replacement."""
     counts = _counts(pred, true)
+    if not len(counts):  # nothing held out
+        return {"micro_f1": (float("nan"), float("nan")), "kappa": (float("nan"), float("nan"))}
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(counts), size=(n_boot, len(counts)))
     sums = counts[idx].sum(1)  # (n_boot, 4)
@@ -80,28 +82,62 @@ def bootstrap_ci(pred: np.ndarray, true: np.ndarray, n_boot: int = 1000, seed: i
 def random_control(pred: np.ndarray, seed: int = 0) -> np.ndarray:
     """Random labels with the same per-concept positive rate as ``pred``, independent of the text."""
     rng = np.random.default_rng(seed)
-    rate = pred.astype(bool).mean(0)
+    rate = pred.astype(bool).mean(0) if len(pred) else np.zeros(pred.shape[1])
     return rng.random(pred.shape) < rate[None, :]
 
 
-def judge_ratings(texts: Sequence[str], pred: np.ndarray, concept_names: Sequence[str], judge: Judge, max_pairs: int = 500, seed: int = 0) -> dict[str, Any]:
+def judge_ratings(
+    texts: Sequence[str], pred: np.ndarray, concept_names: Sequence[str], judge: Judge, max_pairs: int = 500, seed: int = 0, n_boot: int = 1000
+) -> dict[str, Any]:
     """Relevance ratings (1-5) of predicted concepts on held-out chunks, by a judge callable.
 
-    ``judge`` gets (chunk text, concept name) pairs and returns a score or None per pair
-    (e.g. an adapter over the Stage 1 judge prompt on atlas.engine). A random-concept control
-    (same number of pairs, concepts drawn uniformly) is rated alongside.
+    ``judge`` gets (chunk text, concept name) pairs and returns a score or None per pair (e.g.
+    the Stage 1 judge's expected score). Control: each sampled (chunk, predicted concept) pair
+    is matched with the same chunk and a random concept the annotator did not predict for it,
+    so ``difference`` (predicted minus control, over pairs where both were rated, with a
+    bootstrap 95% CI) isolates the concept from the chunk.
     """
     rng = np.random.default_rng(seed)
-    pairs = [(i, j) for i, j in zip(*np.nonzero(pred))]
+    pairs = [(int(i), int(j)) for i, j in zip(*np.nonzero(pred))]
     if len(pairs) > max_pairs:
-        pairs = [pairs[k] for k in rng.choice(len(pairs), max_pairs, replace=False)]
-    control = [(i, int(rng.integers(0, len(concept_names)))) for i, _ in pairs]
-    out = {}
-    for name, ps in (("predicted", pairs), ("random_concept", control)):
-        scores = list(judge([(texts[i], concept_names[j]) for i, j in ps])) if ps else []
-        ok = [s for s in scores if s is not None]
-        out[name] = {"pairs": len(ps), "rated": len(ok), "mean": float(np.mean(ok)) if ok else float("nan")}
-    return out
+        pairs = [pairs[k] for k in sorted(rng.choice(len(pairs), max_pairs, replace=False))]
+    control = []
+    for i, _ in pairs:
+        others = np.flatnonzero(~pred[i].astype(bool))
+        control.append((i, int(rng.choice(others))) if len(others) else None)
+    keep = [k for k, c in enumerate(control) if c is not None]
+    pairs, control = [pairs[k] for k in keep], [control[k] for k in keep]
+    asked = pairs + control
+    scores = list(judge([(texts[i], concept_names[j]) for i, j in asked])) if asked else []
+    real, ctrl = scores[: len(pairs)], scores[len(pairs):]
+
+    def summary(ss: list) -> dict[str, Any]:
+        ok = [s for s in ss if s is not None]
+        return {"pairs": len(ss), "rated": len(ok), "mean": float(np.mean(ok)) if ok else float("nan")}
+
+    both = np.array([(a, b) for a, b in zip(real, ctrl) if a is not None and b is not None], dtype=float).reshape(-1, 2)
+    diff = both[:, 0] - both[:, 1]
+    ci = (float("nan"), float("nan"))
+    if len(diff):
+        boots = diff[rng.integers(0, len(diff), size=(n_boot, len(diff)))].mean(1)
+        ci = tuple(np.percentile(boots, [2.5, 97.5]).tolist())
+    return {
+        "predicted": summary(real), "random_concept": summary(ctrl),
+        "difference": {"pairs": len(diff), "mean": float(diff.mean()) if len(diff) else float("nan"), "ci": ci},
+    }
+
+
+def judge_table(ratings: dict[str, Any], judge_name: str) -> str:
+    """Markdown: the judge's mean rating of predicted concepts beside the random-concept control."""
+    d = ratings["difference"]
+    lines = [f"Judge relevance ratings (1-5) of predicted concepts on held-out chunks ({judge_name})", "",
+             "| concepts | rated / pairs | mean |", "| --- | --- | --- |"]
+    for label in ("predicted", "random_concept"):
+        r = ratings[label]
+        lines.append(f"| {label} | {r['rated']}/{r['pairs']} | {r['mean']:.3f} |")
+    lo, hi = d["ci"]
+    lines += ["", f"Same chunk, predicted minus random concept: {d['mean']:+.3f} [95% CI {lo:+.3f}, {hi:+.3f}] over {d['pairs']} pairs"]
+    return "\n".join(lines)
 
 
 def evaluate(pred: np.ndarray, true: np.ndarray, n_boot: int = 1000, seed: int = 0) -> dict[str, Any]:
@@ -136,13 +172,16 @@ def per_concept_table(res: dict[str, Any], concept_names: Sequence[str]) -> str:
 
 
 def plot(results: dict[str, dict[str, Any]], path: str) -> str:
-    """PNG: headline metrics per annotator beside its random control, and per-concept P/R."""
+    """PNG: headline metrics per annotator beside its random control, per-concept P/R, and the
+    judge's ratings of predicted vs random concepts where ``results[name]["judge"]`` exists."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    judged = {n: r["judge"] for n, r in results.items() if r.get("judge")}
+    fig, axes = plt.subplots(1, 3 if judged else 2, figsize=(15 if judged else 11, 4.2))
+    ax, ax2 = axes[0], axes[1]
     keys = ["micro_f1", "macro_f1", "kappa", "macro_kappa"]
     series = [(n, r["annotator"]) for n, r in results.items()] + [(f"{n} random", r["random_control"]) for n, r in results.items()]
     w = 0.8 / len(series)
@@ -167,6 +206,16 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> str:
     ax2.set_ylim(-0.02, 1.02)
     ax2.set_title("per concept (size ~ support)")
     ax2.legend(fontsize=7)
+    if judged:
+        ax3 = axes[2]
+        for k, (name, j) in enumerate(judged.items()):
+            means = [j["predicted"]["mean"], j["random_concept"]["mean"]]
+            ax3.bar(np.arange(2) + k * 0.4, means, 0.4, label=f"{name} (n={j['difference']['pairs']})")
+        ax3.set_xticks(np.arange(2) + 0.2 * (len(judged) - 1), ["predicted concept", "random concept"])
+        ax3.set_ylim(1, 5)
+        ax3.set_ylabel("judge rating (expected, 1-5)")
+        ax3.set_title("judge relevance on held-out chunks")
+        ax3.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

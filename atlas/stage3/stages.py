@@ -7,17 +7,18 @@ eval.md, eval.png beside it). ``stage3_annotate``: chunks -> ``annotations`` (re
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 
 from atlas import storage
 from atlas.config import RunConfig
+from atlas.stage1_tags import judge_pairs
 from atlas.stage3 import annotate as annotate_mod
 from atlas.stage3 import evaluate, labels, train
-from atlas.stage3.annotators import Annotator, annotator_location
-
 from atlas.stage import register
+from atlas.stage3.annotators import Annotator, annotator_location
 
 
 def library_of(ctx: Any) -> tuple[list[str], str]:
@@ -25,21 +26,37 @@ def library_of(ctx: Any) -> tuple[list[str], str]:
     return ids, labels.library_version(ids)
 
 
-def train_and_evaluate(root: storage.Location, cfg: RunConfig, chunks, chunk_concepts, concept_ids, labelled_ids=None) -> dict[str, Any]:
-    """Train ``cfg.stage3.annotator`` on the labels, evaluate on the held-out split, save all."""
+def train_and_evaluate(
+    root: storage.Location, cfg: RunConfig, chunks, chunk_concepts, concept_ids, labelled_ids=None,
+    concept_names: dict[str, str] | None = None, judge: evaluate.Judge | None = None, judge_name: str = "judge",
+) -> dict[str, Any]:
+    """Train ``cfg.stage3.annotator`` on the labels, evaluate on the held-out split (with the
+    judge's ratings of predicted concepts when ``judge`` is given), save all."""
     s3 = cfg.stage3
     data = labels.labelled_chunks(chunks, chunk_concepts, concept_ids, labelled_ids)
     ann, info = train.train_annotator(s3.annotator, data, s3)
     test = info["split"] == "test"
     pred = ann.decide(info["test_scores"])
     res = {s3.annotator: evaluate.evaluate(pred, data.y[test].astype(bool), seed=s3.seed)}
+    names = [(concept_names or {}).get(c) or c for c in data.concept_ids]
+    judged = None
+    if judge is not None and s3.judge_pairs > 0 and test.any():
+        texts = [t for t, keep in zip(data.texts, test) if keep]
+        judged = res[s3.annotator]["judge"] = evaluate.judge_ratings(texts, pred, names, judge, max_pairs=s3.judge_pairs, seed=s3.seed)
     loc = ann.save(annotator_location(root, data.library_version, s3.annotator))
-    names = list(data.concept_ids)
     storage.write_json_atomic(loc.join("eval.json"), res)
-    storage.write_bytes_atomic(loc.join("eval.md"), (evaluate.summary_table(res) + "\n\n" + evaluate.per_concept_table(res[s3.annotator], names) + "\n").encode())
+    report = [evaluate.summary_table(res), evaluate.per_concept_table(res[s3.annotator], names)]
+    if judged:
+        report.append(evaluate.judge_table(judged, judge_name))
+    storage.write_bytes_atomic(loc.join("eval.md"), ("\n\n".join(report) + "\n").encode())
     if not loc.is_s3:
         evaluate.plot(res, loc.join("eval.png").path)
     a = res[s3.annotator]["annotator"]
+    if judged:
+        info["stats"] = {
+            **info["stats"], "judge_predicted_mean": round(judged["predicted"]["mean"], 3),
+            "judge_random_concept_mean": round(judged["random_concept"]["mean"], 3), "judge_pairs": judged["difference"]["pairs"],
+        }
     return {
         **info["stats"], "annotator_uri": loc.uri, "library_version": data.library_version, "n_test": int(test.sum()),
         "micro_f1": round(a["micro_f1"], 4), "kappa": round(a["kappa"], 4), "macro_f1": round(a["macro_f1"], 4),
@@ -58,6 +75,8 @@ class TrainAnnotatorStage:
 
     def run(self, ctx: Any) -> dict:
         concept_ids, _ = library_of(ctx)
+        concepts = ctx.read_table("concepts", columns=["concept_id", "name"])
+        names = dict(zip(concepts.column("concept_id").to_pylist(), concepts.column("name").to_pylist()))
         chunk_concepts = ctx.read_table("chunk_concepts", columns=["chunk_id", "concept_id"])
         chunks = ctx.read_table("chunks", columns=["chunk_id", "doc_id", "text"])
         labelled = None
@@ -66,7 +85,13 @@ class TrainAnnotatorStage:
             labelled = [c for c, e in zip(tags.column("chunk_id").to_pylist(), tags.column("error").to_pylist()) if e is None]
         except storage.StorageError:
             pass
-        return train_and_evaluate(ctx.root, ctx.cfg, chunks, chunk_concepts, concept_ids, labelled)
+        judge, judge_name = None, "judge"
+        if ctx.cfg.judge.enabled and ctx.cfg.stage3.judge_pairs > 0:
+            engine = ctx.engine(ctx.cfg.judge.model)
+            style = ctx.cfg.judge.prompt
+            judge_name = f"{engine.model}, prompt {style!r}"
+            judge = functools.partial(judge_pairs, engine, style=style, cache_root=ctx.root)
+        return train_and_evaluate(ctx.root, ctx.cfg, chunks, chunk_concepts, concept_ids, labelled, names, judge, judge_name)
 
 
 class AnnotateStage:

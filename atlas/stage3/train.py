@@ -137,7 +137,7 @@ def featurized_dataset(cfg: AnnotatorConfig, texts: list[str], y: np.ndarray, sp
     ds = ray.data.from_arrow(src).repartition(blocks)
     return ds.map_batches(
         FeaturizeBatch, fn_constructor_kwargs={"annotator": dataclasses.asdict(cfg), "threads": max(1, int(s3.cpus_per_actor))},
-        batch_size=s3.inference_batch_size, batch_format="numpy", concurrency=s3.actors, num_cpus=s3.cpus_per_actor,
+        batch_size=s3.inference_batch_size, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=s3.actors), num_cpus=s3.cpus_per_actor,
     ).materialize()
 
 
@@ -177,10 +177,12 @@ def fit_head(cfg: AnnotatorConfig, feats: Any, s3: Stage3Config, storage_path: s
 
 def held_out_scores(ann: Annotator, feats: Any, n_rows: int, s3: Stage3Config) -> np.ndarray:
     """(n_rows, n_concepts) scores of every non-train row of ``feats`` (NaN on train rows), scored by actors."""
+    import ray.data
+
     state = {k: v.detach().cpu().numpy() for k, v in ann.head.state_dict().items()}
     scored = feats.map_batches(
         ScoreBatch, fn_constructor_kwargs={"annotator": dataclasses.asdict(ann.cfg), "state": state, "threads": max(1, int(s3.cpus_per_actor))},
-        batch_size=4096, batch_format="numpy", concurrency=s3.actors, num_cpus=s3.cpus_per_actor,
+        batch_size=4096, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=s3.actors), num_cpus=s3.cpus_per_actor,
     )
     out = np.full((n_rows, ann.cfg.n_concepts), np.nan, np.float32)
     for b in scored.iter_batches(batch_size=4096, batch_format="numpy"):  # labelled rows only: n x concepts floats

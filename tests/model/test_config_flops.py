@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 from pydantic import ValidationError
 
 from model.config import PRESETS, ModelConfig, TrainConfig

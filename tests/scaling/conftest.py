@@ -30,7 +30,7 @@ def synthetic_runs(seed: int = 0, noise: float = 0.01, n_budgets: int = 6, n_siz
 
     p = dict(TRUE if true is None else true)
     rng = np.random.default_rng(seed)
-    N, D, C, B = [], [], [], []
+    N, D, C = [], [], []
     for Cb in np.logspace(18, 21, n_budgets):
         nc = 0.09 * Cb ** 0.5
         for f in np.logspace(-1, 1, n_sizes):

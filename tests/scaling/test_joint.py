@@ -1,6 +1,5 @@
 import time
 
-import numpy as np
 import pytest
 
 from model.scaling import exclude_highest_loss, fit_chinchilla, read_runs

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 
 import polars as pl
-import pyarrow as pa
 
 from atlas import cli, schemas, storage
 from tests.stage3.fixtures import planted

@@ -49,6 +49,39 @@ def test_metrics_and_kappa_on_known_cases():
     assert ci["micro_f1"][0] <= 0.75 <= ci["micro_f1"][1]
 
 
+def _keyword_judge(pairs):
+    """Rates 5 when a cue word of the named planted concept is in the text, else 1."""
+    from tests.stage3.fixtures import CONCEPTS
+
+    return [5.0 if set(CONCEPTS[f"c-{name}"].split()) & set(text.split()) else 1.0 for text, name in pairs]
+
+
+def test_judge_ratings_pair_each_prediction_with_an_unpredicted_concept_of_the_same_chunk():
+    texts = ["planet orbit", "recipe oven", "goal striker"]
+    names = ["astronomy", "cooking", "football", "finance"]
+    pred = np.array([[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 1]], bool)  # the last one is wrong on finance
+    asked = []
+
+    def judge(pairs):
+        asked.extend(pairs)
+        return _keyword_judge(pairs)
+
+    r = evaluate.judge_ratings(texts, pred, names, judge, seed=3)
+    n = int(pred.sum())
+    assert r["predicted"]["pairs"] == r["random_concept"]["pairs"] == r["difference"]["pairs"] == n
+    real, ctrl = asked[:n], asked[n:]
+    by_text = {t: {names[j] for j in np.flatnonzero(p)} for t, p in zip(texts, pred)}
+    assert [t for t, _ in real] == [t for t, _ in ctrl]  # the control keeps the chunk
+    assert all(c not in by_text[t] for t, c in ctrl)  # and swaps in a concept not predicted for it
+    assert r["predicted"]["mean"] == pytest.approx((5 + 5 + 5 + 1) / 4) and r["random_concept"]["mean"] == 1.0
+    lo, hi = r["difference"]["ci"]
+    assert r["difference"]["mean"] == pytest.approx(3.0) and lo <= 3.0 <= hi
+    flat = evaluate.judge_ratings(texts, pred, names, lambda ps: [3.0] * len(ps))  # a judge that knows nothing
+    assert flat["difference"]["mean"] == 0 and flat["difference"]["ci"] == (0.0, 0.0)
+    none = evaluate.judge_ratings(texts, pred, names, lambda ps: [None] * len(ps))  # unscored pairs are counted, not rated
+    assert none["predicted"]["rated"] == 0 and none["difference"]["pairs"] == 0 and np.isnan(none["difference"]["mean"])
+
+
 def test_labelled_chunks_rejects_unknown_concepts_and_splits_stably():
     chunks, cc, concepts = planted(40)
     ids = concepts.column("concept_id").to_pylist()
@@ -99,14 +132,20 @@ def test_encoder_annotator_through_the_stage_function(ray_cluster, tmp_path):
     cfg = RunConfig(stage3=Stage3Config(annotator="encoder", epochs=40, batch_size=32, learning_rate=0.05, cpus_per_train_worker=0.5))
     chunks, cc, concepts = planted(200)
     root = storage.resolve(str(tmp_path / "run"))
-    stats = stages.train_and_evaluate(root, cfg, chunks, cc, concepts.column("concept_id").to_pylist(), chunks.column("chunk_id").to_pylist())
+    names = dict(zip(concepts.column("concept_id").to_pylist(), concepts.column("name").to_pylist()))
+    stats = stages.train_and_evaluate(
+        root, cfg, chunks, cc, concepts.column("concept_id").to_pylist(), chunks.column("chunk_id").to_pylist(), names, _keyword_judge, "keywords"
+    )
     assert stats["micro_f1"] >= 0.6 and stats["micro_f1"] > stats["random_micro_f1"] + 0.3, stats
     loc = storage.resolve(stats["annotator_uri"])
     ann = Annotator.load(loc, expect_library_version=stats["library_version"])
     assert ann.kind == "encoder" and len(ann.cfg.thresholds) == len(concepts)
     for name in ("eval.json", "eval.md", "eval.png"):
         assert storage.exists(loc.join(name)), name
-    assert "random control" in storage.read_bytes(loc.join("eval.md")).decode()
+    report = storage.read_bytes(loc.join("eval.md")).decode()
+    assert "random control" in report and "| astronomy |" in report and "random_concept" in report
+    # Fig. 10's judge ratings: predicted concepts rated relevant, random ones of the same chunks not.
+    assert stats["judge_pairs"] > 20 and stats["judge_predicted_mean"] > 4 and stats["judge_random_concept_mean"] < 2, stats
 
 
 def test_vectorised_hashing_matches_a_per_text_reference():

@@ -3,7 +3,6 @@ a private local Ray cluster (fractional CPUs, capped object store)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
