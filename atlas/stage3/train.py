@@ -12,6 +12,7 @@ have Ray running (stages never start Ray; the runner does).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tempfile
 import time
@@ -25,6 +26,7 @@ from atlas.stage3.annotators import Annotator, AnnotatorConfig, build_head, feat
 from atlas.stage3.labels import LabelledChunks, split_of
 
 CKPT_FILE = "head.safetensors"
+log = logging.getLogger(__name__)
 
 
 class TrainError(RuntimeError):
@@ -81,12 +83,17 @@ def _train_loop(config: dict[str, Any]) -> None:
             seen += len(batch["y"])
         metrics = {"epoch": epoch, "loss": total / max(seen, 1)}
         last = epoch == config["epochs"] - 1
-        if last and ray.train.get_context().get_world_rank() == 0:
+        rank = ray.train.get_context().get_world_rank()
+        if rank == 0:
+            log.info("annotator head epoch %d loss %.4f", epoch, metrics["loss"])
+        # One report, at the end: each ray.train.report is a ~2 s barrier on 2 cores, more than
+        # an epoch of this small head (25 epochs: 67 s -> 21 s).
+        if last and rank == 0:
             with tempfile.TemporaryDirectory() as tmp:
                 head = model.module if hasattr(model, "module") else model
                 save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, os.path.join(tmp, CKPT_FILE))
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-        else:
+        elif last:
             ray.train.report(metrics)
 
 
