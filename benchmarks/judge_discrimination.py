@@ -26,28 +26,32 @@ Run:  python benchmarks/judge_discrimination.py [--chunks 80] [--tags-json /tmp/
 (``--tags-json``: reuse the tags of an earlier run, written there on first use;
 ``--judge-chunks``: judge an evenly spaced subset of the tagged chunks.)
 
-Measured (vLLM CPU, 2 cores shared with other sessions: load averages 30-45, so timings are
-rough; tags from the Stage 1 tagger on 80 demo chunks, 261 tags, 0 chunks without tags):
+Judges also take mode ``calib``: contextual calibration (Zhao et al. 2021), P(k | text, tag)
+divided by P(k | "N/A", tag) before the expected score, one extra prompt per distinct tag.
 
-| judge (model, mode, prompt)      | chunks | pairs real/shuf | real | shuffled | diff  | 95% CI         | AUC  | P(1..5) mass | load |
-| -------------------------------- | ------ | --------------- | ---- | -------- | ----- | -------------- | ---- | ------------ | ---- |
-| smollm prob rubric (main, before)| 60?    | 161/161         | 2.52 | 2.51     | 0.01  | n/a            |      |              |      |
-| smollm prob rubric               | 27     | 91/91           | 2.55 | 2.54     | 0.01  | [-0.01, 0.02]  | 0.51 | 0.871        | 39.3 |
-| gemma prob extremes              | 20     | 67/67           | 2.63 | 2.56     | 0.06  | [0.02, 0.11]   | 0.59 | 0.959        | 31.4 |
-| gemma prob extremes (this script)| 31     | 100/100         | 2.64 | 2.57     | 0.07  | [0.02, 0.12]   | 0.61 | 0.961        | 49.6 |
-| smollm prob extremes/graded/question | 27 | -               | prompts over the then max_model_len 1024 in chat form (1.1-1.5k tokens); now 2048, not rerun |
-| gemma prob question              | 20     | -               | stopped after 10 min at load 34 (half done), no figure |
-| gemma prob rubric / graded       | -      | -               | not run (time) |
+Measured 2026-12-03 on a quiet machine (vLLM CPU, fp32, load 1-2.4 on 2 cores; tags from the
+Stage 1 tagger on 80 demo chunks, judged on 31 of them: 98 real / 98 shuffled pairs; total
+145 s + 241 s for the two runs below, engines included):
 
-(The first three rows and the last three come from the same code path in a dev loop over a
-stride subset of the 80 tagged chunks; the row marked "this script" is this benchmark.)
-Neither packaged tiny model reaches the 1.0-point target: Gemma 3 270M with the
-``extremes`` prompt is the only judge whose difference has a CI above 0, so it is the
-default (``judge.model``, ``judge.prompt``), but a difference of ~0.1 point means the judge
-barely separates a chunk's own tags from another article's. The script run (200 pairs,
-total 1148 s of which 583 s engine start-up, 0.36 pairs/s at load ~50, prefix-cache hit
-rate 0.91) agrees with the dev loop (0.06 on 134 pairs). A judge that meets the target
-needs a larger model (judge.model accepts any HF directory) or a GPU run of this benchmark.
+| judge (model-mode:prompt) | real | shuffled | diff  | 95% CI (chunk bootstrap) | AUC  | pairs/s | P(1..5) mass |
+| ------------------------- | ---- | -------- | ----- | ------------------------ | ---- | ------- | ------------ |
+| gemma-prob:extremes       | 2.68 | 2.61     | 0.07  | [0.02, 0.13]             | 0.60 | 9.5     | 0.963        |
+| gemma-prob:rubric         | 2.40 | 2.39     | 0.01  | [-0.01, 0.03]            | 0.54 | 8.6     | 0.890        |
+| gemma-prob:graded         | 2.66 | 2.60     | 0.06  | [0.02, 0.10]             | 0.61 | 10.6    | 0.949        |
+| gemma-prob:question       | 2.38 | 2.30     | 0.08  | [-0.01, 0.18]            | 0.59 | 7.2     | 0.993        |
+| gemma-calib:extremes      | 3.25 | 3.21     | 0.05  | [0.03, 0.07]             | 0.62 | 12.9    | 0.963        |
+| gemma-calib:question      | 3.15 | 3.11     | 0.03  | [0.01, 0.06]             | 0.59 | 5.6     | 0.993        |
+| smollm-prob:rubric        | 2.48 | 2.46     | 0.02  | [0.01, 0.03]             | 0.55 | 7.1     | 0.879        |
+| smollm-prob:extremes      | 2.40 | 2.26     | 0.14  | [0.10, 0.18]             | 0.66 | 5.4     | 0.962        |
+| **smollm-prob:question**  | 2.97 | 2.76     | **0.21** | [0.14, 0.28]          | 0.68 | 4.2     | 0.925        |
+| smollm-calib:extremes     | 3.18 | 3.13     | 0.06  | [0.04, 0.07]             | 0.65 | 7.3     | 0.962        |
+
+SmolLM2-135M-Instruct asked "Is this text about <tag>? Answer 1 (no) to 5 (yes)." separates
+real from shuffled pairs best (CI disjoint from the former default Gemma extremes judge's), so
+it is the default (``judge.model``, ``judge.prompt``). Calibration narrows the spread instead
+of widening it. No packaged tiny model comes near the 1.0-point target: the best AUC is 0.68,
+i.e. the judges rank a real pair above a shuffled one only 68% of the time. A judge that meets
+the target needs a larger model (``judge.model`` accepts any HF directory) or a GPU run.
 """
 
 from __future__ import annotations
@@ -217,7 +221,7 @@ def auc(real: list[float], shuf: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=60)
-    ap.add_argument("--judges", default="gemma-prob:extremes,gemma-prob:rubric,smollm-prob:extremes,smollm-prob:rubric")
+    ap.add_argument("--judges", default="smollm-prob:question,smollm-prob:extremes,gemma-prob:extremes")
     ap.add_argument("--backend", default="vllm", choices=["vllm", "transformers"])
     ap.add_argument("--tags-json", default=None, help="reuse / store the tagger's output here")
     ap.add_argument("--judge-chunks", type=int, default=None, help="judge an evenly spaced subset of this many tagged chunks")

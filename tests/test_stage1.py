@@ -97,12 +97,12 @@ def stage1_run(ray_cluster, tmp_path_factory):
     chunks = demo_chunks(n_docs=6, per_doc=2)
     bad = {
         "chunk_id": BAD_CHUNK, "doc_id": "zz-injected", "chunk_index": 0,
-        "text": "lobster " * 1500, "n_tokens": 1500, "char_start": 0, "char_end": 12000,
+        "text": "lobster " * 3000, "n_tokens": 3000, "char_start": 0, "char_end": 24000,
     }
     chunks = pa.concat_tables([chunks, schemas.conform(pa.Table.from_pylist([bad]), schemas.CHUNKS)])
     storage.write_table(root, "chunks", chunks)
     cfg = RunConfig(
-        engine=small_engine_cfg(max_model_len=1024),
+        engine=small_engine_cfg(max_model_len=2048),  # the judge's chat prompts are ~1.5k tokens
         # The injected over-long chunk is 1 error in 13 by design; the small model may add a few.
         stage1=Stage1Config(max_tags=5, max_new_tokens=48, max_error_rate=0.5),
         judge=JudgeConfig(sample_chunks=6),

@@ -122,7 +122,7 @@ _QUESTION_INSTRUCTION = "Decide whether each text is about the given topic."
 # The judge prompt styles (benchmarks/judge_discrimination.py measures each); the stage uses
 # judge.prompt, default DEFAULT_JUDGE_STYLE.
 JUDGE_STYLES = ("rubric", "extremes", "graded", "question")
-DEFAULT_JUDGE_STYLE = "extremes"
+DEFAULT_JUDGE_STYLE = "question"
 
 
 def _question(tag: str) -> str:
