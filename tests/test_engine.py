@@ -112,7 +112,8 @@ def test_prompts_share_prefix_and_end_in_query():
         assert ex_text in a and json.dumps(ex_tags) in a
     j1 = prompts.judge_prompt("Some text.", "tag one")
     j2 = prompts.judge_prompt("Some text.", "tag two")
-    assert os.path.commonprefix([j1, j2]).endswith("Text: Some text.\nTag: tag ")
+    shared = os.path.commonprefix([j1, j2])  # preamble and text shared; the tag comes last
+    assert "Text: Some text.\n" in shared and shared.endswith("tag ") and j1.endswith(": ")
     others = prompts.judge_prompt("Other text.", "tag one")
     for style in prompts.JUDGE_STYLES:  # every style: shared preamble, then text, then tag
         a, b = (prompts.judge_prompt("Some text.", t, style=style) for t in ("tag one", "tag two"))
