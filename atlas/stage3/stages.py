@@ -52,13 +52,12 @@ def train_and_evaluate(
     if not loc.is_s3:
         evaluate.plot(res, loc.join("eval.png").path)
     a = res[s3.annotator]["annotator"]
-    if judged:
-        info["stats"] = {
-            **info["stats"], "judge_predicted_mean": round(judged["predicted"]["mean"], 3),
-            "judge_random_concept_mean": round(judged["random_concept"]["mean"], 3), "judge_pairs": judged["difference"]["pairs"],
-        }
+    judge_stats = {} if not judged else {
+        "judge_predicted_mean": round(judged["predicted"]["mean"], 3),
+        "judge_random_concept_mean": round(judged["random_concept"]["mean"], 3), "judge_pairs": judged["difference"]["pairs"],
+    }
     return {
-        **info["stats"], "annotator_uri": loc.uri, "library_version": data.library_version, "n_test": int(test.sum()),
+        **info["stats"], **judge_stats, "annotator_uri": loc.uri, "library_version": data.library_version, "n_test": int(test.sum()),
         "micro_f1": round(a["micro_f1"], 4), "kappa": round(a["kappa"], 4), "macro_f1": round(a["macro_f1"], 4),
         "random_micro_f1": round(res[s3.annotator]["random_control"]["micro_f1"], 4),
         "test_positive_rate": float(np.mean(data.y[test])) if test.any() else None,
@@ -74,8 +73,8 @@ class TrainAnnotatorStage:
         return cfg.stage3.enabled
 
     def run(self, ctx: Any) -> dict:
-        concept_ids, _ = library_of(ctx)
         concepts = ctx.read_table("concepts", columns=["concept_id", "name"])
+        concept_ids = labels.concept_index(concepts.column("concept_id").to_pylist())
         names = dict(zip(concepts.column("concept_id").to_pylist(), concepts.column("name").to_pylist()))
         chunk_concepts = ctx.read_table("chunk_concepts", columns=["chunk_id", "concept_id"])
         chunks = ctx.read_table("chunks", columns=["chunk_id", "doc_id", "text"])
