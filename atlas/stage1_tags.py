@@ -222,24 +222,14 @@ class JudgeStage(LLMStage):
         return keep_rows(tags, "chunk_id", ids).map_batches(_attach, fn_kwargs={"texts": texts}, batch_format="pyarrow")
 
     def requests(self, batch: pa.Table) -> pa.Table:
-        template = self.engine.chat_template
-        # Scored, not sampled: one engine step reads P(answer) over "1".."5" for each pair.
-        sampling = Sampling(**prompts.judge_sampling_kwargs()).key()
-        cids, tags, ps = [], [], []
+        cids, pairs = [], []
         for cid, tlist, text in zip(batch.column("chunk_id").to_pylist(), batch.column("tags").to_pylist(), batch.column("text").to_pylist()):
             for tag in tlist or []:
                 cids.append(cid)
-                tags.append(tag)
-                ps.append(prompts.judge_prompt(text, tag, template, style=self.cfg.judge.prompt))
-        return pa.table(
-            {
-                "key": pa.array([f"{c}\t{t}" for c, t in zip(cids, tags)], pa.string()),
-                "chunk_id": pa.array(cids, pa.string()),
-                "tag": pa.array(tags, pa.string()),
-                "prompt": pa.array(ps, pa.string()),
-                "sampling": pa.array([sampling] * len(ps), pa.string()),
-            }
-        )
+                pairs.append((text, tag))
+        req = judge_requests([f"{c}\t{t}" for c, (_, t) in zip(cids, pairs)], pairs, self.engine.chat_template, self.cfg.judge.prompt)
+        return req.append_column("chunk_id", pa.array(cids, pa.string())).append_column(
+            "tag", pa.array([t for _, t in pairs], pa.string()))
 
     def parse(self, batch: pa.Table, answers: pa.Table) -> pa.Table:
         cols = parse_judgements(answers.column("text").to_pylist(), answers.column("error").to_pylist())
@@ -358,17 +348,22 @@ def parse_judgements(texts: list[str | None], errors: list[str | None]) -> dict[
     return out
 
 
+def judge_requests(keys: list[str], pairs: list[tuple[str, str]], chat_template, style: str) -> pa.Table:
+    """Engine requests (key, prompt, sampling) rating (text, tag) ``pairs``: scored, not sampled
+    (one engine step reads P(answer) over "1".."5" for each pair)."""
+    sampling = Sampling(**prompts.judge_sampling_kwargs()).key()
+    return pa.table({
+        "key": pa.array(keys, pa.string()),
+        "prompt": pa.array([prompts.judge_prompt(text, tag, chat_template, style=style) for text, tag in pairs], pa.string()),
+        "sampling": pa.array([sampling] * len(pairs), pa.string()),
+    })
+
+
 def judge_pairs(engine: Any, pairs: list[tuple[str, str]], style: str, cache_root: Location | None = None) -> list[float | None]:
     """The judge as a function: expected relevance score (1-5) of each (text, tag or concept
     name) pair, None where the judge could not score it. Small in-memory lists (evaluation
     samples); the stage streams instead."""
-    sampling = Sampling(**prompts.judge_sampling_kwargs()).key()
-    template = engine.chat_template
-    req = pa.table({
-        "key": pa.array([str(k) for k in range(len(pairs))], pa.string()),
-        "prompt": pa.array([prompts.judge_prompt(text, tag, template, style=style) for text, tag in pairs], pa.string()),
-        "sampling": pa.array([sampling] * len(pairs), pa.string()),
-    })
+    req = judge_requests([str(k) for k in range(len(pairs))], pairs, engine.chat_template, style)
     answers, _ = engine.generate(req, cache_root=cache_root)
     return parse_judgements(answers.column("text").to_pylist(), answers.column("error").to_pylist())["expected_score"]
 
