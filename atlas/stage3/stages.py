@@ -11,13 +11,14 @@ import functools
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from atlas import storage
 from atlas.config import RunConfig
 from atlas.stage1_tags import judge_pairs
 from atlas.stage3 import annotate as annotate_mod
 from atlas.stage3 import evaluate, labels, train
-from atlas.stage import register
+from atlas.stage import collect, keep_rows, register
 from atlas.stage3.annotators import Annotator, annotator_location
 
 
@@ -77,13 +78,17 @@ class TrainAnnotatorStage:
         concept_ids = labels.concept_index(concepts.column("concept_id").to_pylist())
         names = dict(zip(concepts.column("concept_id").to_pylist(), concepts.column("name").to_pylist()))
         chunk_concepts = ctx.read_table("chunk_concepts", columns=["chunk_id", "concept_id"])
-        chunks = ctx.read_table("chunks", columns=["chunk_id", "doc_id", "text"])
         labelled = None
         try:  # chunks the teacher tagged without error are negatives when no concept maps to them
             tags = ctx.read_table("chunk_tags", columns=["chunk_id", "error"])
             labelled = [c for c, e in zip(tags.column("chunk_id").to_pylist(), tags.column("error").to_pylist()) if e is None]
         except storage.StorageError:
             pass
+        # Only the teacher-labelled chunks reach the driver, filtered in Ray Data (never the corpus).
+        wanted = labelled if labelled is not None else chunk_concepts.column("chunk_id").to_pylist()
+        cols = ["chunk_id", "doc_id", "text"]
+        chunks = collect(keep_rows(ctx.read("chunks").select_columns(cols), "chunk_id", wanted),
+                         pa.schema({c: pa.string() for c in cols}))
         judge, judge_name = None, "judge"
         if ctx.cfg.judge.enabled and ctx.cfg.stage3.judge_pairs > 0:
             engine = ctx.engine(ctx.cfg.judge.model)
