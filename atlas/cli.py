@@ -64,10 +64,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 # The demo's closing example: the library's most frequent concepts in the annotated corpus.
-# annotations.concept_ids index the library sorted by concept_id (docs/tables.md).
-SAMPLE_QUERY = """WITH lib AS (SELECT ROW_NUMBER() OVER (ORDER BY concept_id) - 1 AS concept, name FROM concepts),
-     ex AS (SELECT UNNEST(concept_ids) AS concept FROM annotations)
-SELECT lib.name AS concept, count(*) AS chunks FROM ex JOIN lib ON ex.concept = lib.concept
+# annotation_concepts.concept_id indexes the library sorted by concept_id (docs/tables.md).
+SAMPLE_QUERY = """WITH lib AS (SELECT ROW_NUMBER() OVER (ORDER BY concept_id) - 1 AS concept, name FROM concepts)
+SELECT lib.name AS concept, count(*) AS chunks FROM annotation_concepts a JOIN lib ON a.concept_id = lib.concept
 GROUP BY lib.name ORDER BY chunks DESC, concept LIMIT 10"""
 
 
@@ -77,7 +76,7 @@ def show_concepts(output: str) -> None:
     from atlas.stage import load_stages
 
     present = set(query.tables(output))
-    if not {"concepts", "annotations"} <= present:
+    if not {"concepts", "annotation_concepts"} <= present:
         return
     stages = load_stages()
     concept_tables = [t for s in ("stage2_concepts", "stage3_annotate") for t in stages[s].outputs if t in present]

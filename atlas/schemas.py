@@ -209,6 +209,15 @@ ANNOTATIONS = pa.schema(
     ]
 )
 
+ANNOTATION_CONCEPTS = pa.schema(
+    [
+        pa.field("chunk_id", pa.string(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("concept_id", pa.int32(), nullable=False, metadata={"doc": "as annotations.concept_ids: index into the library's concepts sorted by concept_id"}),
+        pa.field("score", pa.float32(), nullable=False, metadata={"doc": "annotator confidence"}),
+    ]
+)
+
 TABLES: dict[str, pa.Schema] = {
     "documents": DOCUMENTS,
     "quarantine": QUARANTINE,
@@ -218,6 +227,7 @@ TABLES: dict[str, pa.Schema] = {
     "tag_judge_by_chunk": TAG_JUDGE_BY_CHUNK,
     "tag_judge_by_tag": TAG_JUDGE_BY_TAG,
     "annotations": ANNOTATIONS,
+    "annotation_concepts": ANNOTATION_CONCEPTS,
     "tag_embeddings": TAG_EMBEDDINGS,
     "tag_clusters": TAG_CLUSTERS,
     "clusters": CLUSTERS,

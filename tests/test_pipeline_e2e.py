@@ -102,6 +102,9 @@ def _check_concepts_and_annotations(s3_client, st, tags: set[str], endpoint: str
     for r in ann.to_pylist():
         assert len(r["concept_ids"]) == len(r["concept_scores"]) and all(0 <= c < n for c in r["concept_ids"])
     assert len(set(ann.column("library_version").to_pylist())) == 1
+    long = storage.read_table(storage.resolve("s3://e2e/run", scfg), "annotation_concepts")
+    assert sorted(zip(long.column("chunk_id").to_pylist(), long.column("concept_id").to_pylist())) == sorted(
+        (r["chunk_id"], c) for r in ann.to_pylist() for c in r["concept_ids"])
     assert st["stage3_train"]["stats"]["library_version"] == ann.column("library_version")[0].as_py()
     # Fig. 10's judge ratings ran through the real judge engine: every sampled pair and its control scored.
     ev = storage.read_json(storage.resolve(st["stage3_train"]["stats"]["annotator_uri"], scfg).join("eval.json"))

@@ -11,7 +11,13 @@ lists the parts already written, drops their rows before any annotation happens,
 with every chunk exactly once.
 The output directory is a deterministic version of the ``annotations`` table (derived from
 the input and annotator versions); it is published (``_CURRENT``) only after the row count and
-the uniqueness of chunk ids have been verified."""
+the uniqueness of chunk ids have been verified.
+
+Beside each part the job writes the same rows in long form to ``annotation_concepts`` (one
+row per (chunk, concept), same version name and part layout): a concept filter there reads a
+flat int32 column instead of decoding every chunk's list, which is most of a concept query's
+time on the list table (docs/stage3.md). It is written before the ``annotations`` part, whose
+presence marks the group done, and published with it."""
 
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -34,6 +41,7 @@ from atlas import schemas, storage
 from atlas.config import Stage3Config, StorageConfig
 
 TABLE = "annotations"
+CONCEPTS_TABLE = "annotation_concepts"
 MANIFEST = "_annotations.json"
 _PART = re.compile(r"^part-b(\d+)-of-(\d+)\.parquet$")
 
@@ -138,14 +146,28 @@ class AnnotateBatch:
         )
 
 
-def write_group(group: pa.Table, out_uri: str, buckets: int, storage_cfg: dict | None = None) -> pa.Table:
-    """Write one (source, bucket) group of annotated rows as its part; returns one stats row."""
+def concept_rows(table: pa.Table) -> pa.Table:
+    """``annotations`` rows in long form: one (chunk_id, source, concept_id, score) row per label."""
+    ids = table.column("concept_ids").combine_chunks()
+    parent = pc.list_parent_indices(ids)
+    return schemas.conform(pa.table({
+        "chunk_id": table.column("chunk_id").take(parent), "source": table.column("source").take(parent),
+        "concept_id": pc.list_flatten(ids), "score": pc.list_flatten(table.column("concept_scores").combine_chunks()),
+    }), schemas.ANNOTATION_CONCEPTS)
+
+
+def write_group(group: pa.Table, out_uri: str, concepts_uri: str, buckets: int, storage_cfg: dict | None = None) -> pa.Table:
+    """Write one (source, bucket) group of annotated rows as its part of both tables; returns one stats row."""
     source = group.column("source")[0].as_py()
     bucket = int(group.column("bucket")[0].as_py())
     table = schemas.conform(group.sort_by("chunk_id"), annotations_schema())
-    loc = storage.resolve(out_uri, StorageConfig(**(storage_cfg or {}))).join(f"source={safe_partition(source)}", part_name(bucket, buckets))
-    write_part_atomic(table, loc)
-    return pa.table({"source": [source], "bucket": [bucket], "rows": [table.num_rows], "part": [loc.uri]})
+    cfg = StorageConfig(**(storage_cfg or {}))
+    part = (f"source={safe_partition(source)}", part_name(bucket, buckets))
+    long = concept_rows(table)
+    write_part_atomic(long, storage.resolve(concepts_uri, cfg).join(*part))
+    loc = storage.resolve(out_uri, cfg).join(*part)
+    write_part_atomic(table, loc)  # last: this part marks the group done
+    return pa.table({"source": [source], "bucket": [bucket], "rows": [table.num_rows], "labels": [long.num_rows], "part": [loc.uri]})
 
 
 def _add_bucket(batch: pa.Table, buckets: int) -> pa.Table:
@@ -165,6 +187,17 @@ def output_location(root: storage.Location, input_fingerprint: str, annotator_ve
     return root.join(TABLE, f"v-resume-{key}")
 
 
+def concepts_location(out: storage.Location) -> storage.Location:
+    """The ``annotation_concepts`` version directory paired with the ``annotations`` one at ``out``."""
+    def sibling(p: str) -> str:
+        table_root, table, version = p.rstrip("/").rsplit("/", 2)
+        if table != TABLE:
+            raise AnnotateError(f"{out.uri} is not a version directory of {TABLE}")
+        return f"{table_root}/{CONCEPTS_TABLE}/{version}"
+
+    return storage.Location(out.fs, sibling(out.path), sibling(out.uri))
+
+
 def annotate(
     ds: Any,
     n_rows: int,
@@ -181,6 +214,7 @@ def annotate(
     t0 = time.perf_counter()
     buckets = n_buckets(n_rows, s3.rows_per_part)
     done = written_parts(out, buckets)
+    written_parts(concepts_location(out), buckets)  # removes a killed run's temporaries there too
     skipped = 0
     if done:
         skipped = sum(pq.ParquetFile(p, filesystem=out.fs).metadata.num_rows for p in done.values())
@@ -203,7 +237,8 @@ def annotate(
     )
     # Shuffle partitions: about one per bucket (Ray's default of 200 is mostly empty tasks here).
     written = annotated.groupby(["source", "bucket"], num_partitions=max(1, min(64, buckets))).map_groups(
-        write_group, fn_kwargs={"out_uri": out.uri, "buckets": buckets, "storage_cfg": scfg}, batch_format="pyarrow",
+        write_group, fn_kwargs={"out_uri": out.uri, "concepts_uri": concepts_location(out).uri, "buckets": buckets, "storage_cfg": scfg},
+        batch_format="pyarrow",
     )
     parts = written.take_all() if n_rows - skipped > 0 else []
     annotated = sum(int(p["rows"]) for p in parts)
@@ -214,27 +249,38 @@ def annotate(
 
 
 def verify_and_publish(root: storage.Location, out: storage.Location, n_rows: int, meta: dict[str, Any]) -> dict[str, Any]:
-    """Check every chunk is present exactly once, write the manifest, publish the table.
+    """Check every chunk is present exactly once, write the manifest, publish both tables.
 
     Checked one bucket at a time (the ids of one bucket's parts, all sources, are in memory
     at once, never the whole table): within a bucket the chunk ids are distinct and all hash
-    to that bucket, so no id can repeat across buckets either; the rows add up to ``n_rows``.
+    to that bucket, so no id can repeat across buckets either; the rows add up to ``n_rows``;
+    each part's ``annotation_concepts`` twin holds exactly as many rows as the part has labels.
     """
     buckets = int(meta["buckets"])
+    long_out = concepts_location(out)
     by_bucket: dict[int, list[str]] = {}
     for (_, b), path in written_parts(out, buckets, clean_temp=False).items():
         by_bucket.setdefault(b, []).append(path)
-    total, per_source = 0, {}
+    total, labels, per_source = 0, 0, {}
     for b, paths in sorted(by_bucket.items()):
         ids = []
         for path in paths:
-            t = pq.read_table(path, filesystem=out.fs, columns=["chunk_id", "source"])
+            t = pq.read_table(path, filesystem=out.fs, columns=["chunk_id", "source", "concept_ids"])
             if t.num_rows:
                 src = t.column("source")[0].as_py()
                 per_source[src] = per_source.get(src, 0) + t.num_rows
             ids.append(t.column("chunk_id").combine_chunks())
+            n_labels = int(pc.sum(pc.list_value_length(t.column("concept_ids"))).as_py() or 0)
+            twin = long_out.path + path[len(out.path):]
+            try:
+                twin_rows = pq.ParquetFile(twin, filesystem=out.fs).metadata.num_rows
+            except OSError as e:  # FileNotFoundError included
+                raise AnnotateError(f"{CONCEPTS_TABLE} part {twin} is missing or unreadable ({e}): rerun the same command") from e
+            if twin_rows != n_labels:
+                raise AnnotateError(f"{CONCEPTS_TABLE} part {twin} holds {twin_rows} rows, its annotations part {n_labels} labels")
+            labels += n_labels
         ids = pa.concat_arrays(ids) if ids else pa.array([], pa.string())
-        distinct = len(pa.compute.unique(ids))
+        distinct = len(pc.unique(ids))
         if distinct != len(ids):
             raise AnnotateError(f"annotations at {out.uri}: bucket {b} holds {len(ids)} rows but {distinct} distinct chunk ids")
         stray = np.flatnonzero(bucket_of(ids.to_pylist(), buckets) != b)
@@ -243,10 +289,12 @@ def verify_and_publish(root: storage.Location, out: storage.Location, n_rows: in
         total += len(ids)
     if total != n_rows:
         raise AnnotateError(f"annotations at {out.uri}: {total} rows, expected {n_rows} unique")
-    manifest = {**meta, "rows": total, "rows_per_source": per_source, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    manifest = {**meta, "rows": total, "labels": labels, "rows_per_source": per_source, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     storage.write_json_atomic(out.join(MANIFEST), manifest)
+    # The long table first: once `annotations` is published, its twin is too.
+    storage.publish(root, CONCEPTS_TABLE, long_out, labels)
     pointer = storage.publish(root, TABLE, out, total)
-    return {"rows": total, "sources": len(per_source), "version": pointer["version"]}
+    return {"rows": total, "labels": labels, "sources": len(per_source), "version": pointer["version"]}
 
 
 # ---------------------------------------------------------------- job over a run's tables

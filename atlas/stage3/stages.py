@@ -2,7 +2,8 @@
 
 ``stage3_train``: Stage 2 labels -> annotator (safetensors + JSON under
 ``<root>/_annotators/<library_version>/<kind>/``) with its held-out evaluation (eval.json,
-eval.md, eval.png beside it). ``stage3_annotate``: chunks -> ``annotations`` (resumable).
+eval.md, eval.png beside it). ``stage3_annotate``: chunks -> ``annotations`` and its long
+form ``annotation_concepts`` (resumable).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class TrainAnnotatorStage:
 class AnnotateStage:
     name = "stage3_annotate"
     inputs = ("chunks", "documents", "concepts")
-    outputs = ("annotations",)
+    outputs = ("annotations", "annotation_concepts")
 
     def enabled(self, cfg: RunConfig) -> bool:
         return cfg.stage3.enabled

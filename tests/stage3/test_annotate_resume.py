@@ -65,9 +65,23 @@ def _digest(t: pa.Table) -> tuple[list[str], str]:
     return t.column("chunk_id").to_pylist(), h.hexdigest()
 
 
-def _read(root: storage.Location) -> pa.Table:
-    loc = storage.table_path(root, "annotations")
+def _read(root: storage.Location, table: str = "annotations") -> pa.Table:
+    loc = storage.table_path(root, table)
     return pq.read_table(loc.path, filesystem=loc.fs, partitioning=None)
+
+
+def _check_long_form(root: storage.Location, annotations: pa.Table) -> None:
+    """``annotation_concepts`` holds exactly the (chunk, concept, score) labels of ``annotations``, once each."""
+    long = _read(root, job.CONCEPTS_TABLE)
+    assert long.schema.equals(schemas.ANNOTATION_CONCEPTS, check_metadata=False)
+    expected = sorted(
+        (c, s, i, round(x, 5))
+        for c, s, ids, sc in zip(*(annotations.column(n).to_pylist() for n in ("chunk_id", "source", "concept_ids", "concept_scores")))
+        for i, x in zip(ids, sc)
+    )
+    got = sorted(zip(*(long.column(n).to_pylist() for n in ("chunk_id", "source", "concept_id")), [round(x, 5) for x in long.column("score").to_pylist()]))
+    assert got == expected
+    assert storage.read_json(root.join(job.CONCEPTS_TABLE, storage.POINTER))["rows"] == len(expected)
 
 
 @pytest.mark.slow
@@ -140,6 +154,10 @@ def test_sigkill_and_restart_writes_every_chunk_once(tmp_path, ray_cluster, s3_s
     assert digest == ref_digest
     assert set(got.column("library_version").to_pylist()) == {"lib-test"}
     assert got.schema.equals(job.annotations_schema(), check_metadata=False)
+    assert sum(len(c) for c in got.column("concept_ids").to_pylist()) > 0, "the seeded head must emit some labels"
+    _check_long_form(root, got)
+    _check_long_form(s3_root, ref)
+    assert storage.current_version(root, job.CONCEPTS_TABLE) == storage.current_version(root, "annotations")
 
     # Partitioned by source; readable by polars and duckdb with the same rows.
     loc = storage.table_path(root, "annotations")
