@@ -179,6 +179,11 @@ class Stage2Config(_Section):
     gate_max_davies_bouldin: float | None = Field(default=None, ge=0, description="Fail the run if Davies-Bouldin is higher.")
     gate_min_coherence: float | None = Field(default=None, description="Fail the run if mean cluster coherence is lower.")
     cache: bool = Field(default=True, description="Reuse labelling generations from the request cache.")
+    judge_chunks: int = Field(
+        default=60, ge=0,
+        description="Fig. 9: the judge (section judge) rates the concepts assigned to up to N labelled chunks, each beside the same "
+        "chunk with a random unassigned concept (stage2_judge); 0 turns it off.",
+    )
 
 
 class Stage3Config(_Section):

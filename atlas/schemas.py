@@ -218,6 +218,36 @@ ANNOTATION_CONCEPTS = pa.schema(
     ]
 )
 
+CONCEPT_JUDGEMENTS = pa.schema(
+    [
+        pa.field("pair", pa.int32(), nullable=False, metadata={"doc": "an assigned (chunk, concept) pair and its control share this number"}),
+        pa.field("chunk_id", pa.string(), nullable=False),
+        pa.field("concept_id", pa.string(), nullable=False),
+        pa.field("kind", pa.string(), nullable=False, metadata={"doc": "assigned (chunk_concepts) or control (same chunk, a random concept not assigned to it)"}),
+        pa.field("expected_score", pa.float64(), metadata={"doc": "judge's expected relevance 1-5; null when unscored"}),
+    ]
+)
+
+CONCEPT_JUDGE_BY_CONCEPT = pa.schema(
+    [
+        pa.field("concept_id", pa.string(), nullable=False),
+        pa.field("name", pa.string()),
+        pa.field("n_assigned", pa.int32(), nullable=False, metadata={"doc": "rated chunks the concept is assigned to"}),
+        pa.field("mean_assigned", pa.float64(), metadata={"doc": "mean expected score on those chunks"}),
+        pa.field("n_control", pa.int32(), nullable=False, metadata={"doc": "rated chunks where the concept was the random control"}),
+        pa.field("mean_control", pa.float64()),
+    ]
+)
+
+CONCEPT_JUDGE_BY_CHUNK = pa.schema(
+    [
+        pa.field("chunk_id", pa.string(), nullable=False),
+        pa.field("n_concepts", pa.int32(), nullable=False, metadata={"doc": "assigned concepts rated"}),
+        pa.field("mean_assigned", pa.float64(), metadata={"doc": "mean expected score of the chunk's assigned concepts"}),
+        pa.field("mean_control", pa.float64(), metadata={"doc": "mean expected score of their random controls"}),
+    ]
+)
+
 TABLES: dict[str, pa.Schema] = {
     "documents": DOCUMENTS,
     "quarantine": QUARANTINE,
@@ -236,6 +266,9 @@ TABLES: dict[str, pa.Schema] = {
     "tag_concepts": TAG_CONCEPTS,
     "chunk_concepts": CHUNK_CONCEPTS,
     "concept_quality": CONCEPT_QUALITY,
+    "concept_judgements": CONCEPT_JUDGEMENTS,
+    "concept_judge_by_concept": CONCEPT_JUDGE_BY_CONCEPT,
+    "concept_judge_by_chunk": CONCEPT_JUDGE_BY_CHUNK,
 }
 
 

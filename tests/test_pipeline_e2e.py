@@ -34,7 +34,7 @@ def test_pipeline_on_s3_and_cached_rerun(ray_cluster, s3_server, s3_client):
     s3_client.put_object(Bucket="e2e", Key="corpus/blank.txt", Body=b"\n\n")
     # 16 tagged chunks: the assertions below allow 4 errors (25%), above the default bound.
     overrides = [f"storage.s3_endpoint={s3_server}", "storage.s3_allow_http=true", "stage1.max_chunks=16", "judge.sample_chunks=3",
-                 "stage1.max_error_rate=0.5", "stage2.label_max_new_tokens=64", "stage3.epochs=4"]
+                 "stage1.max_error_rate=0.5", "stage2.label_max_new_tokens=64", "stage2.judge_chunks=4", "stage3.epochs=4"]
     cfg = load_config(overrides=overrides, input="s3://e2e/corpus", output="s3://e2e/run", run_id="e2e-1")
 
     first = runner.run(cfg)
@@ -112,5 +112,10 @@ def _check_concepts_and_annotations(s3_client, st, tags: set[str], endpoint: str
     if judged:
         assert judged["predicted"]["rated"] == judged["random_concept"]["rated"] == judged["difference"]["pairs"] > 0, judged
         assert 1 <= judged["predicted"]["mean"] <= 5 and 1 <= judged["random_concept"]["mean"] <= 5
+    # Fig. 9 through the real judge engine: the assigned concepts of 4 labelled chunks, each beside its control.
+    j = st["stage2_judge"]
+    assert j["status"] == "done" and 1 <= j["stats"]["chunks"] <= 4 and j["stats"]["pairs"] > 0, j
+    rated = storage.read_table(storage.resolve("s3://e2e/run", scfg), "concept_judgements")
+    assert rated.num_rows == 2 * j["stats"]["pairs"] and rated.column("expected_score").null_count < rated.num_rows
     top = query.sql("s3://e2e/run", SAMPLE_QUERY, scfg)
     assert top.columns == ["concept", "chunks"] and set(top["concept"].to_list()) <= set(concepts.column("name").to_pylist())

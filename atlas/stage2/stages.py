@@ -3,11 +3,12 @@
 Thin wrappers: each reads its input tables from the context, calls the step functions of
 :mod:`atlas.stage2.pipeline` and publishes its outputs. Stages never start Ray or touch the
 manifest. Order: stage2_embed -> stage2_cluster -> [stage2_quality] -> stage2_label ->
-stage2_concepts.
+stage2_concepts -> [stage2_judge].
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pyarrow as pa
@@ -139,4 +140,49 @@ class BuildConcepts(_Stage2):
         return stats
 
 
-STAGES: tuple[Any, ...] = tuple(register(s) for s in (EmbedTags(), ClusterTags(), QualityReport(), LabelClusters(), BuildConcepts()))
+class JudgeConcepts(_Stage2):
+    """Fig. 9: the judge rates the concepts assigned to a sample of labelled chunks, each pair
+    beside the same chunk with a random unassigned concept (atlas.stage2.judge)."""
+
+    name = "stage2_judge"
+    inputs = ("chunks", "chunk_concepts", "concepts")
+    outputs = ("concept_judgements", "concept_judge_by_concept", "concept_judge_by_chunk")
+
+    def enabled(self, cfg) -> bool:
+        return bool(cfg.stage2.enabled and cfg.judge.enabled and cfg.stage2.judge_chunks > 0)
+
+    def run(self, ctx) -> dict:
+        from atlas.stage1_tags import judge_pairs
+        from atlas.stage2 import judge
+
+        s2, jcfg = ctx.cfg.stage2, ctx.cfg.judge
+        labels = ctx.read_table("chunk_concepts", columns=["chunk_id", "concept_id"])  # the labelled sample: small by design
+        concepts = ctx.read_table("concepts", columns=["concept_id", "name"])
+        wanted = judge.sample_chunks(labels.column("chunk_id").to_pylist(), s2.judge_chunks, s2.seed)
+        schema = pa.schema({"chunk_id": pa.string(), "text": pa.string()})
+        texts = collect(keep_rows(ctx.read("chunks").select_columns(["chunk_id", "text"]), "chunk_id", wanted), schema)
+        text_of = dict(zip(texts.column("chunk_id").to_pylist(), texts.column("text").to_pylist()))
+        ids = [c for c in wanted if c in text_of]  # a labelled chunk missing from chunks is skipped, not rated blind
+        engine = ctx.engine(jcfg.model)
+        rate = functools.partial(judge_pairs, engine, style=jcfg.prompt, cache_root=ctx.root)
+        tables, summary = judge.judge_concepts(ids, [text_of[c] for c in ids], labels, concepts, rate, s2.seed)
+        for name, table in tables.items():
+            ctx.publish(name, table, schemas.TABLES[name])
+        loc = ctx.root.join("plots", "concept_relevance.png")
+        title = f"Concept relevance (judge {engine.model}, prompt {jcfg.prompt!r})"
+        storage.write_bytes_atomic(loc, judge.plot(tables["concept_judge_by_chunk"], tables["concept_judge_by_concept"], title))
+        d = summary["difference"]
+
+        def num(x: float) -> float | None:  # NaN (nothing rated) is not JSON
+            return None if x != x else round(x, 3)
+
+        return {
+            "chunks": len(ids), "pairs": d["pairs"], "assigned_mean": num(summary["assigned"]["mean"]),
+            "control_mean": num(summary["control"]["mean"]), "difference": num(d["mean"]),
+            "difference_ci": [num(x) for x in d["ci"]], "plot": loc.uri,
+        }
+
+
+STAGES: tuple[Any, ...] = tuple(
+    register(s) for s in (EmbedTags(), ClusterTags(), QualityReport(), LabelClusters(), BuildConcepts(), JudgeConcepts())
+)

@@ -11,11 +11,12 @@ the metrics read when the annotator knows nothing.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-Judge = Callable[[Sequence[tuple[str, str]]], Sequence[int | None]]
+from atlas import relevance
+from atlas.relevance import Judge
 
 
 def _counts(pred: np.ndarray, true: np.ndarray) -> np.ndarray:
@@ -89,42 +90,11 @@ def random_control(pred: np.ndarray, seed: int = 0) -> np.ndarray:
 def judge_ratings(
     texts: Sequence[str], pred: np.ndarray, concept_names: Sequence[str], judge: Judge, max_pairs: int = 500, seed: int = 0, n_boot: int = 1000
 ) -> dict[str, Any]:
-    """Relevance ratings (1-5) of predicted concepts on held-out chunks, by a judge callable.
-
-    ``judge`` gets (chunk text, concept name) pairs and returns a score or None per pair (e.g.
-    the Stage 1 judge's expected score). Control: each sampled (chunk, predicted concept) pair
-    is matched with the same chunk and a random concept the annotator did not predict for it,
-    so ``difference`` (predicted minus control, over pairs where both were rated, with a
-    bootstrap 95% CI) isolates the concept from the chunk.
-    """
-    rng = np.random.default_rng(seed)
-    pairs = [(int(i), int(j)) for i, j in zip(*np.nonzero(pred))]
-    if len(pairs) > max_pairs:
-        pairs = [pairs[k] for k in sorted(rng.choice(len(pairs), max_pairs, replace=False))]
-    control = []
-    for i, _ in pairs:
-        others = np.flatnonzero(~pred[i].astype(bool))
-        control.append((i, int(rng.choice(others))) if len(others) else None)
-    keep = [k for k, c in enumerate(control) if c is not None]
-    pairs, control = [pairs[k] for k in keep], [control[k] for k in keep]
-    asked = pairs + control
-    scores = list(judge([(texts[i], concept_names[j]) for i, j in asked])) if asked else []
-    real, ctrl = scores[: len(pairs)], scores[len(pairs):]
-
-    def summary(ss: list) -> dict[str, Any]:
-        ok = [s for s in ss if s is not None]
-        return {"pairs": len(ss), "rated": len(ok), "mean": float(np.mean(ok)) if ok else float("nan")}
-
-    both = np.array([(a, b) for a, b in zip(real, ctrl) if a is not None and b is not None], dtype=float).reshape(-1, 2)
-    diff = both[:, 0] - both[:, 1]
-    ci = (float("nan"), float("nan"))
-    if len(diff):
-        boots = diff[rng.integers(0, len(diff), size=(n_boot, len(diff)))].mean(1)
-        ci = tuple(np.percentile(boots, [2.5, 97.5]).tolist())
-    return {
-        "predicted": summary(real), "random_concept": summary(ctrl),
-        "difference": {"pairs": len(diff), "mean": float(diff.mean()) if len(diff) else float("nan"), "ci": ci},
-    }
+    """Relevance ratings (1-5) of predicted concepts on held-out chunks, each pair beside the
+    same chunk with a random concept the annotator did not predict for it
+    (:mod:`atlas.relevance`): ``predicted``, ``random_concept`` and their paired ``difference``."""
+    r = relevance.rate_with_control(texts, pred, concept_names, judge, max_pairs, seed)
+    return relevance.summarise(r, n_boot, seed)
 
 
 def judge_table(ratings: dict[str, Any], judge_name: str) -> str:
