@@ -17,13 +17,28 @@ __all__ = ["add_commands"]
 DEMO_OUTPUT = "steerling-demo-output"
 
 
+def _atlas_demo_run() -> str | None:
+    """The output of `atlas demo` in this directory when it has published annotations (the
+    demo's second step trains on them); None: the STAND-IN labels of the demo corpus."""
+    from atlas import storage
+    from atlas.cli import DEMO_OUTPUT as ATLAS_DEMO
+
+    path = os.path.abspath(ATLAS_DEMO)
+    if os.path.isdir(path) and storage.table_exists(storage.resolve(path), "annotations"):
+        print(f"atlas train --demo: training on the annotations of the Atlas demo run at {path}")
+        return path
+    print(f"atlas train --demo: no Atlas demo run with annotations at {path} (run `atlas demo` first): "
+          "STAND-IN labels of the demo corpus (model/labels.py)")
+    return None
+
+
 def _train(a: argparse.Namespace) -> int:
     from atlas.config import ConfigError
     from model.train import demo_job, load_job_config, run_job
 
     try:
         if a.demo:
-            job = demo_job(a.output or os.path.abspath(DEMO_OUTPUT), data=a.data, overrides=a.set)
+            job = demo_job(a.output or os.path.abspath(DEMO_OUTPUT), data=a.data or _atlas_demo_run(), overrides=a.set)
         elif not a.config:
             print("atlas train: give --config FILE or --demo", file=sys.stderr)
             return 2
@@ -51,7 +66,8 @@ def add_commands(subparsers) -> None:
     t = subparsers.add_parser("train", help="train Steerling on concept-annotated shards (Ray Train + DeepSpeed)")
     t.add_argument("--config", help="training job YAML (model, train, data, dist, output)")
     t.add_argument("--demo", action="store_true",
-                   help=f"tiny Steerling on the demo corpus (STAND-IN labels until Atlas Stage 3), output ./{DEMO_OUTPUT}")
+                   help=f"tiny Steerling on the annotations of `atlas demo` (./atlas-demo-output; STAND-IN labels of the "
+                        f"demo corpus when there is none), output ./{DEMO_OUTPUT}")
     t.add_argument("--data", help="with --demo: an Atlas run root holding an `annotations` table instead of the demo corpus")
     t.add_argument("--output", help="output URI (overrides the config's)")
     t.add_argument("--address", help="Ray address (default: a private local Ray)")

@@ -640,11 +640,11 @@ def run_job(job: TrainJobConfig, address: str | None = None, num_cpus: int | Non
 
 
 def demo_job(output: str, data: str | None = None, overrides: list[str] | None = None) -> TrainJobConfig:
-    """A tiny CPU job: 2 workers x ZeRO-1 on annotation shards of the demo corpus.
+    """A tiny CPU job: 2 workers x ZeRO-1 on annotation shards.
 
-    Until Atlas Stage 3 writes ``annotations``, the shards are made from the demo corpus
-    by the STAND-IN labeller (model/labels.py) and marked so in the manifest; ``data``
-    points at an Atlas run root that has real ``annotations`` instead.
+    ``data``: an Atlas run root with real ``annotations`` (`atlas train --demo` passes the
+    `atlas demo` output when there is one); None: shards made from the demo corpus by the
+    STAND-IN labeller (model/labels.py), marked so in the manifest.
     """
     from atlas.config import apply_overrides
 
