@@ -1,7 +1,8 @@
 """Tokens/s of the Ray Train + DeepSpeed trainer vs the single-process loop, per core.
 
 Same model, same packed annotation-shard sequences (STAND-IN labels from the demo corpus),
-same global batch. Prints tokens/s, tokens/s per core, their ratio (target >= 0.8x), each
+same global batch, same cores (the single process gets workers x threads torch threads;
+``--single-threads`` overrides). Prints tokens/s, tokens/s per core, their ratio (target >= 0.8x), each
 one's share of the bf16 matmul peak measured in this run, and os.getloadavg().
 
     PYTHONPATH=. python benchmarks/train_throughput.py                 # CPU, 2 workers x 1 thread
@@ -73,7 +74,10 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker / single process")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--single-threads", type=int, default=None,
+                    help="torch threads of the single process (default: workers x threads, the same cores as the trainer; "
+                         "1 thread on an otherwise idle 2-core host leaves Ray's own processes a free core the trainer never has)")
     ap.add_argument("--zero-stage", type=int, default=1)
     ap.add_argument("--gpu", action="store_true")
     ap.add_argument("--peak-n", type=int, default=1024)
@@ -103,10 +107,11 @@ def main() -> None:
     data = DataConfig(annotations=root, val_fraction=0.1)
 
     cores = a.workers * a.threads
+    single_threads = a.single_threads or cores
     with ray_session(RayConfig(num_cpus=max(2, cores + 1), object_store_memory_mb=512)):
         prep = prepare(data, a.seq_len, 0, mcfg.n_known, mcfg.vocab_size)
         batches = list(iter_batches(prep.train, a.batch_size, mcfg.n_known))
-        sp = single_process(mcfg, tcfg, batches, a.steps, a.warmup, device, a.threads)
+        sp = single_process(mcfg, tcfg, batches, a.steps, a.warmup, device, single_threads)
         dist = DistConfig(num_workers=a.workers, cpus_per_worker=a.threads, threads_per_worker=a.threads,
                           zero_stage=a.zero_stage, use_gpu=a.gpu, checkpoint_every=0)
         res = train(mcfg, tcfg, data, os.path.join(tmp, "run"), dist=dist, progress=False, tokenizer=prep.tokenizer)
@@ -120,12 +125,12 @@ def main() -> None:
     peak_fp32 = matmul_peak(torch.float32, device, a.peak_n, peak_threads)
     fpt = train_flops_per_token(mcfg, a.seq_len)
     unit = 1 if a.gpu else cores  # per core on CPU, per device on GPU (workers x GPUs)
-    per_core_sp = sp / (1 if a.gpu else a.threads)
+    per_core_sp = sp / (1 if a.gpu else single_threads)
     per_core_ds = ds / unit
     out = {
         "model": a.preset, "params_total": sum(p.numel() for p in __import__("model.modeling", fromlist=["Steerling"]).Steerling(mcfg).parameters()),
         "batch": a.batch_size, "seq_len": a.seq_len, "dtype": dtype, "device": device,
-        "workers": a.workers, "threads_per_worker": a.threads, "zero_stage": a.zero_stage,
+        "workers": a.workers, "threads_per_worker": a.threads, "single_process_threads": single_threads, "zero_stage": a.zero_stage,
         "single_process_tokens_per_s": round(sp, 1), "single_process_per_core": round(per_core_sp, 1),
         "ray_deepspeed_tokens_per_s": round(ds, 1), "ray_deepspeed_per_core": round(per_core_ds, 1),
         "ratio_per_core": round(per_core_ds / per_core_sp, 3), "target_ratio": 0.8,
