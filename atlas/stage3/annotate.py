@@ -198,6 +198,14 @@ def concepts_location(out: storage.Location) -> storage.Location:
     return storage.Location(out.fs, sibling(out.path), sibling(out.uri))
 
 
+def done_groups(out: storage.Location, buckets: int) -> dict[tuple[str, int], str]:
+    """(source, bucket) -> ``annotations`` part of every group written whole: both its parts
+    exist (the long one is written first, so only a deleted twin can be missing; that group
+    is then annotated again). Removes a killed run's temporaries in both directories."""
+    twins = written_parts(concepts_location(out), buckets)
+    return {k: p for k, p in written_parts(out, buckets).items() if k in twins}
+
+
 def annotate(
     ds: Any,
     n_rows: int,
@@ -213,8 +221,7 @@ def annotate(
     """
     t0 = time.perf_counter()
     buckets = n_buckets(n_rows, s3.rows_per_part)
-    done = written_parts(out, buckets)
-    written_parts(concepts_location(out), buckets)  # removes a killed run's temporaries there too
+    done = done_groups(out, buckets)
     skipped = 0
     if done:
         skipped = sum(pq.ParquetFile(p, filesystem=out.fs).metadata.num_rows for p in done.values())
@@ -275,9 +282,11 @@ def verify_and_publish(root: storage.Location, out: storage.Location, n_rows: in
             try:
                 twin_rows = pq.ParquetFile(twin, filesystem=out.fs).metadata.num_rows
             except OSError as e:  # FileNotFoundError included
-                raise AnnotateError(f"{CONCEPTS_TABLE} part {twin} is missing or unreadable ({e}): rerun the same command") from e
+                raise AnnotateError(f"{CONCEPTS_TABLE} part {twin} is missing or unreadable ({e}): "
+                                    "rerun the same command (it annotates that group again)") from e
             if twin_rows != n_labels:
-                raise AnnotateError(f"{CONCEPTS_TABLE} part {twin} holds {twin_rows} rows, its annotations part {n_labels} labels")
+                raise AnnotateError(f"{CONCEPTS_TABLE} part {twin} holds {twin_rows} rows, its annotations part {n_labels} labels: "
+                                    f"delete both parts ({path}) and rerun the same command")
             labels += n_labels
         ids = pa.concat_arrays(ids) if ids else pa.array([], pa.string())
         distinct = len(pc.unique(ids))

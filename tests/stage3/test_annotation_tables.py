@@ -82,6 +82,14 @@ def test_a_bad_twin_part_stops_publication(tmp_path, fault):
     with pytest.raises(job.AnnotateError, match=re.escape(twin.name)):
         job.verify_and_publish(root, out, t.num_rows, {"buckets": BUCKETS})
     assert not storage.table_exists(root, "annotations") and not storage.table_exists(root, job.CONCEPTS_TABLE)
+    # A rerun annotates the group of a missing twin again, and only that group.
+    done = job.done_groups(out, BUCKETS)
+    all_groups = job.written_parts(out, BUCKETS)
+    group = (twin.parent.name[len("source="):], int(twin.name.split("-b")[1].split("-")[0]))
+    if fault == "missing":
+        assert set(all_groups) - set(done) == {group}
+    else:
+        assert done == all_groups
 
 
 def _readme_queries() -> list[str]:
