@@ -16,8 +16,8 @@ the uniqueness of chunk ids have been verified.
 Beside each part the job writes the same rows in long form to ``annotation_concepts`` (one
 row per (chunk, concept), same version name and part layout): a concept filter there reads a
 flat int32 column instead of decoding every chunk's list, which is most of a concept query's
-time on the list table (docs/stage3.md). It is written before the ``annotations`` part, whose
-presence marks the group done, and published with it."""
+time on the list table (docs/stage3.md). A group is done when both its parts exist; the long
+one is written first, and it is published (first) with ``annotations``."""
 
 from __future__ import annotations
 
