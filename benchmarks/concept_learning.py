@@ -200,21 +200,28 @@ def scale(data: Planted, tokens_per_param: float, batch: int, out_png: Path | No
                          indep=r["concept_independence_loss"], contribution=r["concept_contribution"],
                          rank_alignment=r["rank_alignment"], load=os.getloadavg()[0]))
     if out_png is not None:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        keys = ["offset", "auc", "concept_loss", "indep", "contribution", "rank_alignment"]
-        fig, axes = plt.subplots(1, len(keys), figsize=(3 * len(keys), 2.8))
-        x = [r["params"] for r in rows]
-        for ax, k in zip(axes, keys):
-            ax.plot(x, [r[k] for r in rows], "o-")
-            ax.set_xscale("log")
-            ax.set_title(k if k != "rank_alignment" else "rank alignment (proxy)", fontsize=9)
-            ax.set_xlabel("backbone params")
-        fig.tight_layout()
-        fig.savefig(out_png, dpi=100)
+        plot_scale(rows, out_png)
     return rows
+
+
+def plot_scale(rows: list[dict], out_png: Path) -> None:
+    """The size sweep's metrics against backbone parameters (log x)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    keys = ["offset", "auc", "concept_loss", "indep", "contribution", "rank_alignment"]
+    fig, axes = plt.subplots(1, len(keys), figsize=(3 * len(keys), 2.8))
+    x = [r["params"] for r in rows]
+    for ax, k in zip(axes, keys):
+        ax.plot(x, [r[k] for r in rows], "o-")
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap on a 1-decade axis
+        ax.set_title(k if k != "rank_alignment" else "rank alignment (proxy)", fontsize=9)
+        ax.set_xlabel("backbone params")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
 
 
 def main() -> None:
