@@ -57,7 +57,7 @@ def _train(a: argparse.Namespace) -> int:
     print(f"metrics: {job.output.rstrip('/')}/metrics/ (steps.parquet, eval.parquet, loss_curves.png)")
     print(f"manifest: {job.output.rstrip('/')}/_manifest.json")
     keys = ("val_loss", "concept_loss", "concept_independence_loss", "concept_contribution",
-            "concept_rank_alignment", "concept_auc", "tokens_per_s", "restarts")
+            "concept_rank_alignment", "concept_auc", "concept_auc_base_rate", "concept_auc_macro", "tokens_per_s", "restarts")
     print("final:   " + ", ".join(f"{k}={f[k]:.4g}" for k in keys if isinstance(f.get(k), (int, float))))
     return 0
 

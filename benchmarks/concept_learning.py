@@ -285,10 +285,10 @@ def main() -> None:
     print(f"\nload average at end: {os.getloadavg()}  total wall {time.perf_counter() - t_all:.0f}s  size={args.size} {size}"
           f"  concept_weight={args.concept_weight}")
     print("\nheld-out metrics (goal: AUC >= 0.95, contribution >= 0.85, LM offset <= 0.1 nats; previous AUC 0.59)")
-    print("family         AUC    AUC_macro  concept_loss  indep   contribution  rank_align  LM_loss  LM_base  offset  steps")
+    print("family         AUC    AUC_macro  AUC_base_rate  concept_loss  indep   contribution  rank_align  LM_loss  LM_base  offset  steps")
     for fam, base in (("cdlm_concept", "cdlm"), ("ar_concept", "ar")):
         r, b = out[fam], out[base]
-        print(f"{fam:13s} {r['concept_auc']:.3f}  {r['concept_auc_macro']:.3f}     {r['concept_loss']:.3f}       "
+        print(f"{fam:13s} {r['concept_auc']:.3f}  {r['concept_auc_macro']:.3f}      {r['concept_auc_base_rate']:.3f}          {r['concept_loss']:.3f}       "
               f"{r['concept_independence_loss']:.4f}  {r['concept_contribution']:.3f}         {r['rank_alignment']:+.3f}"
               f"      {r['val_loss']:.3f}    {b['val_loss']:.3f}   {r['val_loss'] - b['val_loss']:+.3f}   {r['steps']}")
     print(f"bag-of-words logistic regression (same split, micro over the same chunk x concept pairs): AUC {bow:.3f}")

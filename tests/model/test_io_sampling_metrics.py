@@ -91,6 +91,23 @@ def test_auc():
     assert r["micro"] == 1.0 and r["macro"] == 1.0
 
 
+def test_micro_auc_has_a_base_rate_control():
+    # One common concept (9 of 10 chunks) and one rare one (1 of 10): a "model" that only knows
+    # how common each concept is wins micro AUC and nothing per concept.
+    g = torch.Generator().manual_seed(0)
+    y = torch.zeros(10, 2)
+    y[:9, 0] = 1
+    y[3, 1] = 1
+    prevalence = torch.tensor([[0.9, 0.1]]).expand(10, 2)
+    r = concept_detection_auc(prevalence, y)
+    assert r["micro"] > 0.85 and r["micro"] == r["micro_base_rate"]
+    assert r["macro"] == 0.5
+    # a model that ranks the chunks within each concept right beats the control on micro too
+    good = y * 0.5 + 0.25 + 0.01 * torch.rand(10, 2, generator=g)
+    rg = concept_detection_auc(good, y)
+    assert rg["macro"] == 1.0 and rg["micro"] > r["micro_base_rate"] and rg["micro_base_rate"] == r["micro_base_rate"]
+
+
 def test_rank_alignment_is_calibrated_and_judged_alignment_needs_a_judge(tokenizer):
     torch.manual_seed(0)
     model = Steerling(ModelConfig.preset("tiny", family="cdlm_concept", vocab_size=512, n_known=4, topk_known=2))
