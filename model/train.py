@@ -22,7 +22,7 @@ checkpoint. Outputs under ``out``:
 
     model/                 safetensors + config + tokenizer + concepts (load_pretrained)
     metrics/steps.parquet  per-step losses, lr, grad norm, tokens/s
-    metrics/eval.parquet   held-out val loss, the four interpretability metrics, concept AUC
+    metrics/eval.parquet   held-out val loss, the four interpretability metrics, concept AUC (+ base-rate control)
     metrics/loss_curves.png
     _manifest.json         configs, data provenance (annotation run, concept library), timings
     ray/<name>/            Ray Train run storage (checkpoints)
