@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from atlas import relevance, schemas
 
@@ -48,35 +49,30 @@ def judge_concepts(
         "expected_score": pa.array(r.scores + r.control_scores, pa.float64()),
     }), schemas.CONCEPT_JUDGEMENTS)
 
-    def means(keys: list, scores: list) -> dict:
-        acc: dict = {}
-        for k, s in zip(keys, scores):
-            if s is not None:
-                acc.setdefault(k, []).append(s)
-        return {k: (len(v), float(np.mean(v))) for k, v in acc.items()}
-
-    per_concept = means([j for _, j in r.pairs], r.scores)
-    per_concept_ctrl = means([j for _, j in r.control], r.control_scores)
-    rated = sorted(set(per_concept) | set(per_concept_ctrl))
-    by_concept = schemas.conform(pa.table({
-        "concept_id": [concept_ids[j] for j in rated], "name": [names[j] for j in rated],
-        "n_assigned": pa.array([per_concept.get(j, (0, None))[0] for j in rated], pa.int32()),
-        "mean_assigned": pa.array([per_concept.get(j, (0, None))[1] for j in rated], pa.float64()),
-        "n_control": pa.array([per_concept_ctrl.get(j, (0, None))[0] for j in rated], pa.int32()),
-        "mean_control": pa.array([per_concept_ctrl.get(j, (0, None))[1] for j in rated], pa.float64()),
-    }), schemas.CONCEPT_JUDGE_BY_CONCEPT)
-    per_chunk = means([i for i, _ in r.pairs], r.scores)
-    per_chunk_ctrl = means([i for i, _ in r.control], r.control_scores)
-    chunks = sorted({i for i, _ in r.pairs})
-    by_chunk = schemas.conform(pa.table({
-        "chunk_id": [chunk_ids[i] for i in chunks],
-        "n_concepts": pa.array([per_chunk.get(i, (0, None))[0] for i in chunks], pa.int32()),
-        "mean_assigned": pa.array([per_chunk.get(i, (0, None))[1] for i in chunks], pa.float64()),
-        "mean_control": pa.array([per_chunk_ctrl.get(i, (0, None))[1] for i in chunks], pa.float64()),
-    }), schemas.CONCEPT_JUDGE_BY_CHUNK)
+    assigned_rows = _rated(judgements, "assigned")
+    control_rows = _rated(judgements, "control")
+    by_chunk = assigned_rows("chunk_id").join(control_rows("chunk_id"), "chunk_id", join_type="left outer")
+    by_chunk = schemas.conform(by_chunk.rename_columns({"n_assigned": "n_concepts"}).sort_by("chunk_id"), schemas.CONCEPT_JUDGE_BY_CHUNK)
+    by_concept = assigned_rows("concept_id").join(control_rows("concept_id"), "concept_id", join_type="full outer")
+    by_concept = by_concept.join(pa.table({"concept_id": concept_ids, "name": names}), "concept_id")
+    for n in ("n_assigned", "n_control"):  # a concept seen only as one kind has 0 of the other
+        by_concept = by_concept.set_column(by_concept.schema.get_field_index(n), n, pc.fill_null(by_concept[n], 0))
+    by_concept = by_concept.filter(pc.greater(pc.add(by_concept["n_assigned"], by_concept["n_control"]), 0))
+    by_concept = schemas.conform(by_concept.sort_by("concept_id"), schemas.CONCEPT_JUDGE_BY_CONCEPT)
     summary = relevance.summarise(r, seed=seed, labels=("assigned", "control"))
     tables = {"concept_judgements": judgements, "concept_judge_by_concept": by_concept, "concept_judge_by_chunk": by_chunk}
     return tables, summary
+
+
+def _rated(judgements: pa.Table, kind: str):
+    """key -> (key, n_<kind>, mean_<kind>) over the judgements of one kind (n counts rated rows)."""
+    rows = judgements.filter(pc.equal(judgements["kind"], kind))
+
+    def by(key: str) -> pa.Table:
+        g = rows.group_by(key).aggregate([("expected_score", "count"), ("expected_score", "mean")])
+        return pa.table({key: g[key], f"n_{kind}": g["expected_score_count"].cast(pa.int32()), f"mean_{kind}": g["expected_score_mean"]})
+
+    return by
 
 
 def plot(by_chunk: pa.Table, by_concept: pa.Table, title: str) -> bytes:
