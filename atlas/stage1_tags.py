@@ -15,6 +15,8 @@ the same input reuses them, and an interrupted run resumes where its cache ends.
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import heapq
 import io
@@ -366,6 +368,14 @@ def judge_pairs(engine: Any, pairs: list[tuple[str, str]], style: str, cache_roo
     req = judge_requests([str(k) for k in range(len(pairs))], pairs, engine.chat_template, style)
     answers, _ = engine.generate(req, cache_root=cache_root)
     return parse_judgements(answers.column("text").to_pylist(), answers.column("error").to_pylist())["expected_score"]
+
+
+def context_judge(ctx: Any) -> tuple[Any, str]:
+    """The run's judge (section ``judge``) as a :func:`judge_pairs` callable over a stage
+    context's engine and cache, and its name for reports ("<model>, prompt '<style>'")."""
+    engine = ctx.engine(ctx.cfg.judge.model)
+    style = ctx.cfg.judge.prompt
+    return functools.partial(judge_pairs, engine, style=style, cache_root=ctx.root), f"{engine.model}, prompt {style!r}"
 
 
 def aggregate_judgements(j: pa.Table) -> tuple[pa.Table, pa.Table]:

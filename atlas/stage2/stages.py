@@ -8,7 +8,6 @@ stage2_concepts -> [stage2_judge].
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pyarrow as pa
@@ -152,10 +151,10 @@ class JudgeConcepts(_Stage2):
         return bool(cfg.stage2.enabled and cfg.judge.enabled and cfg.stage2.judge_chunks > 0)
 
     def run(self, ctx) -> dict:
-        from atlas.stage1_tags import judge_pairs
+        from atlas.stage1_tags import context_judge
         from atlas.stage2 import judge
 
-        s2, jcfg = ctx.cfg.stage2, ctx.cfg.judge
+        s2 = ctx.cfg.stage2
         labels = ctx.read_table("chunk_concepts", columns=["chunk_id", "concept_id"])  # the labelled sample: small by design
         concepts = ctx.read_table("concepts", columns=["concept_id", "name"])
         wanted = judge.sample_chunks(labels.column("chunk_id").to_pylist(), s2.judge_chunks, s2.seed)
@@ -163,13 +162,12 @@ class JudgeConcepts(_Stage2):
         texts = collect(keep_rows(ctx.read("chunks").select_columns(["chunk_id", "text"]), "chunk_id", wanted), schema)
         text_of = dict(zip(texts.column("chunk_id").to_pylist(), texts.column("text").to_pylist()))
         ids = [c for c in wanted if c in text_of]  # a labelled chunk missing from chunks is skipped, not rated blind
-        engine = ctx.engine(jcfg.model)
-        rate = functools.partial(judge_pairs, engine, style=jcfg.prompt, cache_root=ctx.root)
+        rate, judge_name = context_judge(ctx)
         tables, summary = judge.judge_concepts(ids, [text_of[c] for c in ids], labels, concepts, rate, s2.seed)
         for name, table in tables.items():
             ctx.publish(name, table, schemas.TABLES[name])
         loc = ctx.root.join("plots", "concept_relevance.png")
-        title = f"Concept relevance (judge {engine.model}, prompt {jcfg.prompt!r})"
+        title = f"Concept relevance (judge {judge_name})"
         storage.write_bytes_atomic(loc, judge.plot(tables["concept_judge_by_chunk"], tables["concept_judge_by_concept"], title))
         d = summary["difference"]
 

@@ -8,7 +8,6 @@ form ``annotation_concepts`` (resumable).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,7 @@ import pyarrow as pa
 
 from atlas import storage
 from atlas.config import RunConfig
-from atlas.stage1_tags import judge_pairs
+from atlas.stage1_tags import context_judge
 from atlas.stage3 import annotate as annotate_mod
 from atlas.stage3 import evaluate, labels, train
 from atlas.stage import collect, keep_rows, register
@@ -92,10 +91,7 @@ class TrainAnnotatorStage:
                          pa.schema({c: pa.string() for c in cols}))
         judge, judge_name = None, "judge"
         if ctx.cfg.judge.enabled and ctx.cfg.stage3.judge_pairs > 0:
-            engine = ctx.engine(ctx.cfg.judge.model)
-            style = ctx.cfg.judge.prompt
-            judge_name = f"{engine.model}, prompt {style!r}"
-            judge = functools.partial(judge_pairs, engine, style=style, cache_root=ctx.root)
+            judge, judge_name = context_judge(ctx)
         return train_and_evaluate(ctx.root, ctx.cfg, chunks, chunk_concepts, concept_ids, labelled, names, judge, judge_name)
 
 
