@@ -375,15 +375,17 @@ class ChildReaper:
         import psutil
 
         self._me = psutil.Process()
-        # Only processes started from now on are the engine's: an owner's older children (a
-        # local Ray cluster, a test's S3 server) must survive the engine.
-        self._since = time.time() - 0.5
         self._seen: dict[int, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watchdog = subprocess.Popen(
             [sys.executable, "-c", _WATCHDOG], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True, text=True
         )
+        # Only processes started from now on are the engine's: an owner's older children (a
+        # local Ray cluster, a test's S3 server) must survive the engine. "Now" is the
+        # watchdog's start on psutil's own clock: ``create_time`` counts from a boot time in
+        # whole seconds, up to 1 s behind ``time.time()``, which dropped the engine's children.
+        self._since = psutil.Process(self._watchdog.pid).create_time()
         self._thread = threading.Thread(target=self._poll, args=(poll_s,), name="atlas-child-reaper", daemon=True)
         self._thread.start()
 
