@@ -470,3 +470,22 @@ def test_engine_actor_replaces_an_engine_that_failed():
     assert actor.backend is None
     out = actor(batch("Text: lobsters live in the sea"))
     assert out.column("_a_error")[0].as_py() is None and actor.backend is not None and actor.backend is not first
+
+
+def test_streamed_answers_leave_the_engine_batch_by_batch(ray_cluster):
+    """One big input block (a Parquet file read whole) must not become one engine task whose
+    answers appear only at its end: blocks are cut to engine.batch_size rows, so answers flow
+    per batch (Ray Data's no-progress timeout otherwise fires on a slow engine)."""
+    import pyarrow as pa
+    import ray.data
+
+    from atlas.engine import stream_generate
+
+    cfg = EngineConfig(backend="test", batch_size=8)
+    s = Sampling(max_tokens=8).key()
+    req = pa.table({"key": [f"k{i}" for i in range(40)], "prompt": [f"Text: chunk {i}" for i in range(40)], "sampling": [s] * 40})
+    ds = ray.data.from_arrow(req)  # a single 40-row block
+    out = stream_generate(ds, cfg, "unused", "m").materialize()
+    blocks = [ray.get(r) for r in out.to_arrow_refs()]
+    assert sorted(b.num_rows for b in blocks) == [8] * 5
+    assert sorted(k for b in blocks for k in b.column("key").to_pylist()) == sorted(req.column("key").to_pylist())
