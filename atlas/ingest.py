@@ -333,12 +333,14 @@ def ingest(input_uri: str, root: storage.Location, cfg: IngestConfig, storage_cf
         parse, batch_size=8, batch_format="numpy", num_cpus=0.5
     ).materialize()
 
-    docs = parsed.filter(lambda r: r["kind"] == "document")
+    from ray.data.expressions import col
+
+    docs = parsed.filter(expr=col("kind") == "document")
     docs = docs.map_batches(lambda b: schemas.conform(b, schemas.DOCUMENTS), batch_format="pyarrow")
     docs = docs.sort("doc_id")
     if cfg.max_documents:
         docs = docs.limit(cfg.max_documents)
-    bad = parsed.filter(lambda r: r["kind"] == "quarantine").map_batches(
+    bad = parsed.filter(expr=col("kind") == "quarantine").map_batches(
         lambda b: schemas.conform(b, schemas.QUARANTINE), batch_format="pyarrow"
     )
     doc_ptr = storage.write_dataset(root, "documents", docs, schemas.DOCUMENTS)
