@@ -148,15 +148,23 @@ def featurized_dataset(cfg: AnnotatorConfig, texts: list[str], y: np.ndarray, sp
     ).materialize()
 
 
-def fit_head(cfg: AnnotatorConfig, feats: Any, s3: Stage3Config, storage_path: str | None = None) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Train the head of ``cfg`` on the ``train`` rows of ``feats`` (see :func:`featurized_dataset`) with Ray Train."""
+def fit_head(cfg: AnnotatorConfig, feats: Any, s3: Stage3Config) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Train the head of ``cfg`` on the ``train`` rows of ``feats`` (see :func:`featurized_dataset`) with Ray Train.
+
+    Ray Train's run directory (its checkpoint) is temporary: the head is returned and saved
+    by the caller, so nothing is left behind in the temp folder.
+    """
+    with tempfile.TemporaryDirectory(prefix="atlas-stage3-train-") as storage_path:
+        return _fit_head(cfg, feats, s3, storage_path)
+
+
+def _fit_head(cfg: AnnotatorConfig, feats: Any, s3: Stage3Config, storage_path: str) -> tuple[torch.nn.Module, dict[str, Any]]:
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
     from safetensors.torch import load_file
 
     # Materialised once (object store): every epoch re-reads these blocks instead of re-running the filter.
     ds = feats.map_batches(_train_rows, batch_format="numpy").materialize()
-    storage_path = storage_path or tempfile.mkdtemp(prefix="atlas-stage3-train-")
     trainer = TorchTrainer(
         _train_loop,
         train_loop_config={
