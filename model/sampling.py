@@ -36,11 +36,11 @@ def _call(model, x: torch.Tensor, steer):
     return model(x) if steer is None else model(x, steer=steer(x))
 
 
-def _forbid_specials(logits: torch.Tensor, cfg) -> torch.Tensor:
-    # [MASK] and [PAD] are never emitted; they are inputs, not outputs.
+def _forbid_specials(logits: torch.Tensor, cfg, forbid=()) -> torch.Tensor:
+    # [MASK] and [PAD] are never emitted; they are inputs, not outputs. ``forbid``: more ids
+    # the caller bans (e.g. the pieces of a corpus placeholder such as WikiText's <unk>).
     logits = logits.clone()
-    logits[..., cfg.mask_token_id] = float("-inf")
-    logits[..., cfg.pad_token_id] = float("-inf")
+    logits[..., [cfg.mask_token_id, cfg.pad_token_id, *forbid]] = float("-inf")
     return logits
 
 
@@ -68,7 +68,7 @@ def commit_schedule(n_masked: int, steps: int) -> list[int]:
 @torch.no_grad()
 def diffusion_generate(model, prompt: torch.Tensor, max_new_tokens: int, steps_per_block: int | None = None,
                        temperature: float = 0.0, generator: torch.Generator | None = None,
-                       trace: GenerationTrace | None = None, steer=None) -> torch.Tensor:
+                       trace: GenerationTrace | None = None, steer=None, forbid=()) -> torch.Tensor:
     """Block-wise masked-diffusion decoding.
 
     Append [MASK] x max_new_tokens; for each block in order, repeat: run the model on the
@@ -77,7 +77,8 @@ def diffusion_generate(model, prompt: torch.Tensor, max_new_tokens: int, steps_p
     (count from a linear schedule); move on when the block is full.
     ``trace`` (optional) is filled with every step's input snapshot and, per committed
     token, the step it was committed at. ``steer(x) -> hook`` (optional) builds the
-    model's residual-stream hook for input ``x`` (model/steering.py).
+    model's residual-stream hook for input ``x`` (model/steering.py). ``forbid``: token ids
+    never committed.
     """
     cfg = model.cfg
     prompt = prompt.view(1, -1) if prompt.dim() == 1 else prompt
@@ -95,7 +96,7 @@ def diffusion_generate(model, prompt: torch.Tensor, max_new_tokens: int, steps_p
         end = min(start + bs, total)
         n_masked = int((x[0, start:end] == cfg.mask_token_id).sum())
         for n_commit in commit_schedule(n_masked, steps_per_block or bs):
-            logits = _forbid_specials(_call(model, x[:, :end], steer)[:, start:end].float(), cfg)
+            logits = _forbid_specials(_call(model, x[:, :end], steer)[:, start:end].float(), cfg, forbid)
             tok, conf = _pick(logits, temperature, generator)
             masked = x[:, start:end] == cfg.mask_token_id
             conf = conf.masked_fill(~masked, -1.0)
@@ -113,9 +114,9 @@ def diffusion_generate(model, prompt: torch.Tensor, max_new_tokens: int, steps_p
 @torch.no_grad()
 def ar_generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                 generator: torch.Generator | None = None, stop_at_eos: bool = False,
-                trace: GenerationTrace | None = None, steer=None) -> torch.Tensor:
+                trace: GenerationTrace | None = None, steer=None, forbid=()) -> torch.Tensor:
     """Left-to-right sampling (no KV cache: each step re-runs the context window).
-    ``trace`` / ``steer``: as in ``diffusion_generate`` (the snapshot is the context)."""
+    ``trace`` / ``steer`` / ``forbid``: as in ``diffusion_generate`` (the snapshot is the context)."""
     cfg = model.cfg
     x = prompt.view(1, -1) if prompt.dim() == 1 else prompt
     B, P = x.shape
@@ -125,7 +126,7 @@ def ar_generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: f
         trace.out_pos = torch.full((B, P + max_new_tokens), -1, dtype=torch.long)
     for _ in range(max_new_tokens):
         ctx = x[:, -cfg.max_seq_len:]
-        logits = _forbid_specials(_call(model, ctx, steer)[:, -1].float(), cfg)
+        logits = _forbid_specials(_call(model, ctx, steer)[:, -1].float(), cfg, forbid)
         tok, _ = _pick(logits, temperature, generator)
         if trace is not None:
             trace.snapshots.append(ctx.clone())

@@ -55,6 +55,18 @@ def test_diffusion_generation_fills_blocks(tokenizer):
     assert commit_schedule(10, 4) == [3, 3, 2, 2] and sum(commit_schedule(16, 16)) == 16
 
 
+@pytest.mark.parametrize("family", ["cdlm_concept", "ar"])
+def test_forbidden_tokens_are_never_generated(family):
+    torch.manual_seed(0)
+    model = Steerling(ModelConfig.preset("tiny", family=family, vocab_size=512))
+    prompt = torch.tensor([5, 6, 7])
+    free = generate(model, prompt, max_new_tokens=32, steps_per_block=4)[0, 3:]
+    banned = sorted(set(free.tolist()))[:3]  # tokens greedy decoding did emit
+    out = generate(model, prompt, max_new_tokens=32, steps_per_block=4, forbid=banned)[0, 3:]
+    assert not torch.isin(out, torch.tensor(banned)).any()
+    assert not (out == MASK_ID).any()
+
+
 def test_diffusion_commits_most_confident_first():
     torch.manual_seed(0)
     model = Steerling(ModelConfig.preset("tiny", family="cdlm", vocab_size=512))
