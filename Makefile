@@ -18,4 +18,5 @@ test-fast: setup
 	$(VENV)/bin/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
+	$(VENV)/bin/python -m pip install -q -e ".[bench]"
 	for b in benchmarks/*.py; do $(VENV)/bin/python $$b || exit 1; done
