@@ -10,10 +10,16 @@ placeholder (the anchor tag), so merging runs on centroid embeddings.
 FAISS vs scikit-learn: Lloyd k-means on the same 100k x 384 data, same k, same initial
 centroids, same number of iterations, same thread count; the ratio is printed.
 
-Tag embedding itself (MiniLM) is measured on a few thousand real tag strings and reported as
-tags/s; at 1M tags it is the dominant cost on CPU and is run on Ray Data actors (scale out).
+Tag embedding itself (MiniLM, the embedding actor's own class) is measured on 2,000 short
+tag strings in float32 and in bfloat16 autocast, reported as tags/s with the ratio and the
+smallest cosine between the two; at 1M tags it is the dominant cost on CPU and is run on Ray
+Data actors (scale out).
 
-    python benchmarks/stage2_concepts.py --sizes 100000 1000000
+    python benchmarks/stage2_concepts.py --sizes 100000 1000000 [--embed]
+
+``--embed`` also runs the real tag embedding (``embed_tags`` on a local Ray cluster, one actor
+per thread) over as many real tag strings as each size, so the total covers all of Stage 2
+except labelling.
 """
 
 from __future__ import annotations
@@ -35,20 +41,32 @@ from atlas.stage2.embed import from_matrix
 
 
 class Peak:
-    """Peak RSS of this process while the block runs."""
+    """Peak RSS of this process (``tree``: summed with all its descendants, e.g. a local Ray
+    cluster's workers) while the block runs."""
 
-    def __init__(self):
+    def __init__(self, tree: bool = False):
         self.proc = psutil.Process()
+        self.tree = tree
+
+    def rss(self) -> int:
+        procs = [self.proc, *self.proc.children(recursive=True)] if self.tree else [self.proc]
+        total = 0
+        for q in procs:
+            try:
+                total += q.memory_info().rss
+            except psutil.Error:
+                pass  # a worker that exited between listing and reading
+        return total
 
     def __enter__(self):
-        self.peak = self.proc.memory_info().rss
+        self.peak = self.rss()
         self.stop = False
         self.t0 = time.perf_counter()
 
         def sample():
             while not self.stop:
-                self.peak = max(self.peak, self.proc.memory_info().rss)
-                time.sleep(0.05)
+                self.peak = max(self.peak, self.rss())
+                time.sleep(0.2 if self.tree else 0.05)
 
         self.th = threading.Thread(target=sample, daemon=True)
         self.th.start()
@@ -57,7 +75,7 @@ class Peak:
     def __exit__(self, *exc):
         self.stop = True
         self.th.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.peak = max(self.peak, self.rss())
         self.seconds = time.perf_counter() - self.t0
 
 
@@ -154,16 +172,57 @@ def run_size(n: int, k: int, cfg: Stage2Config, chunks_per_tag: float = 0.3) -> 
     return steps
 
 
-def embed_rate(n: int = 2000) -> float:
-    from atlas.stage2.embed import encode
+def embed_rates(threads: int, n: int = 2000) -> dict:
+    """tags/s of :class:`TagEmbedder` in float32 and bfloat16 on the same tags (one warm-up batch each)."""
+    from atlas.stage2.embed import TagEmbedder, resolve_embedding_model, to_matrix
 
     words = ["history", "music", "naval", "river", "football", "album", "war", "highway", "church", "science", "island", "film"]
     rng = np.random.default_rng(0)
-    texts = [" ".join(rng.choice(words, 2)) + f" {i}" for i in range(n)]
-    encode(texts[:64], cfg_model())
-    t0 = time.perf_counter()
-    encode(texts, cfg_model())
-    return n / (time.perf_counter() - t0)
+    batch = pa.table({"tag": [" ".join(rng.choice(words, 2)) + f" {i}" for i in range(n)]})
+    path = resolve_embedding_model(cfg_model())
+    out: dict = {}
+    for dtype in ("float32", "bfloat16"):
+        embedder = TagEmbedder(path, threads=threads, dtype=dtype)
+        embedder(batch.slice(0, 64))
+        t0 = time.perf_counter()
+        out[dtype] = to_matrix(embedder(batch).column("embedding"))
+        out[f"{dtype}_rate"] = n / (time.perf_counter() - t0)
+    out["min_cosine"] = float((out["float32"] * out["bfloat16"]).sum(axis=1).min())
+    return out
+
+
+def tag_strings(n: int, seed: int = 0) -> list[str]:
+    """``n`` unique tag-like strings: 2-4 whole words from MiniLM's own vocabulary (4-6 tokens
+    with [CLS]/[SEP], about the length of Stage 1's tags)."""
+    from transformers import AutoTokenizer
+
+    from atlas.stage2.embed import resolve_embedding_model
+
+    vocab = sorted(w for w in AutoTokenizer.from_pretrained(resolve_embedding_model(cfg_model())).get_vocab() if w.isalpha() and len(w) >= 4)
+    rng = np.random.default_rng(seed)
+    out: set[str] = set()
+    while len(out) < n:
+        lengths = rng.integers(2, 5, n)
+        words = rng.integers(0, len(vocab), (n, 4))
+        out.update(" ".join(vocab[j] for j in w[:m]) for w, m in zip(words, lengths))
+    return sorted(out)[:n]
+
+
+def embed_on_ray(n: int, threads: int, batch_size: int) -> tuple[float, float, float]:
+    """Stage 2's tag embedding (``embed_tags``: Ray Data, one 1-CPU actor per thread, the default
+    dtype) over ``n`` tag strings on a local Ray cluster -> (seconds, driver peak GiB, tree peak GiB)."""
+    from atlas.cluster import ray_session
+    from atlas.config import RayConfig
+    from atlas.stage2.embed import embed_tags
+
+    counts = pa.table({"tag": tag_strings(n), "n_chunks": pa.array(np.ones(n, np.int64))})
+    # One logical CPU beyond the actors: Ray Data's repartition task needs one or the pool hangs.
+    with ray_session(RayConfig(num_cpus=threads + 1, object_store_memory_mb=2048)):
+        driver, tree = Peak(), Peak(tree=True)
+        with driver, tree:
+            emb = embed_tags(counts, cfg_model(), batch_size=batch_size, replicas=threads, cpus=1.0)
+    assert emb.num_rows == n, (emb.num_rows, n)
+    return tree.seconds, driver.peak / 2**30, tree.peak / 2**30
 
 
 def cfg_model() -> str:
@@ -179,6 +238,7 @@ def main() -> None:
     ap.add_argument("--compare-n", type=int, default=100_000)
     ap.add_argument("--compare-iter", type=int, default=10)
     ap.add_argument("--skip-compare", action="store_true")
+    ap.add_argument("--embed", action="store_true", help="also embed each size's tag count of real tag strings through embed_tags on a local Ray cluster")
     args = ap.parse_args()
     import faiss
 
@@ -192,8 +252,16 @@ def main() -> None:
             f"FAISS {r['faiss_s']:.1f} s, scikit-learn {r['sklearn_s']:.1f} s, ratio {r['ratio']:.1f}x (target >= 10x)"
         )
         print(f"load average: {os.getloadavg()}")
-    rate = embed_rate()
-    print(f"tag embedding (MiniLM, in-process, {args.threads} threads): {rate:.0f} tags/s")
+    from atlas.stage2.embed import embed_dtype
+
+    er = embed_rates(args.threads)
+    default_dtype = embed_dtype(cfg.embed_dtype, cfg.embed_device)
+    rate = er[f"{default_dtype}_rate"]
+    print(
+        f"tag embedding (MiniLM, TagEmbedder, {args.threads} threads): float32 {er['float32_rate']:.0f} tags/s, "
+        f"bfloat16 {er['bfloat16_rate']:.0f} tags/s ({er['bfloat16_rate'] / er['float32_rate']:.2f}x), "
+        f"min cosine between them {er['min_cosine']:.5f}; default here: {default_dtype}"
+    )
     for n in args.sizes:
         print(f"--- {n} tags, k={args.k}")
         t0 = time.perf_counter()
@@ -204,7 +272,15 @@ def main() -> None:
             f"  total (excl. data generation, embedding and labelling): {total:.1f} s; peak RSS {peak:.2f} GiB "
             f"(targets at 1M: <= 900 s, <= 6 GiB); wall {time.perf_counter() - t0:.1f} s"
         )
-        print(f"  embedding {n} tags at {rate:.0f} tags/s would add {n / rate:.0f} s per actor")
+        if args.embed:
+            secs, drv, tree = embed_on_ray(n, args.threads, cfg.embed_batch_size)
+            print(
+                f"  tag embedding on Ray ({args.threads} actors x 1 CPU, {default_dtype}): {secs:.1f} s ({n / secs:.0f} tags/s), "
+                f"peak RSS driver {drv:.2f} GiB, driver + Ray processes {tree:.2f} GiB (counts shared object-store pages once per process)"
+            )
+            print(f"  Stage 2 except LLM labelling: {total + secs:.1f} s (target at 1M: <= 900 s)")
+        else:
+            print(f"  embedding {n} tags at {rate:.0f} tags/s ({default_dtype}) would add {n / rate:.0f} s per actor")
         print(f"  load average: {os.getloadavg()}")
     print(f"max RSS (getrusage): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 

@@ -101,6 +101,28 @@ def test_planted_incoherent_cluster_is_dropped_with_reason():
     assert out[1]["coherence"] == pytest.approx((s.sum() - np.trace(s)) / (len(x) * (len(x) - 1)), abs=1e-5)
 
 
+# ------------------------------------------------------------------ embedding precision
+
+
+def test_bf16_tag_embeddings_agree_with_fp32_and_default_follows_the_hardware():
+    from atlas.hardware import native_bf16
+
+    tags = sorted({t for ts in TOPICS.values() for t in ts}) + ["an unusually long tag " * 6, "x"]
+    batch = pa.table({"tag": tags, "n_chunks": pa.array([1] * len(tags), pa.int64())})
+    path = embed.resolve_embedding_model(MODEL)
+    out = {d: embed.to_matrix(embed.TagEmbedder(path, threads=1, batch_size=16, dtype=d)(batch).column("embedding")) for d in ("float32", "bfloat16")}
+    fp32, bf16 = out["float32"], out["bfloat16"]
+    assert np.allclose(np.linalg.norm(bf16, axis=1), 1, atol=1e-5), "bf16 output is unit-norm"
+    assert np.allclose(fp32, embed.encode(tags, MODEL), atol=1e-5), "float32 is the plain sentence-transformers embedding"
+    assert not np.array_equal(fp32, bf16), "bfloat16 actually changed the arithmetic"
+    cos = (fp32 * bf16).sum(axis=1)
+    assert cos.min() >= 0.99, f"bf16 drifted from fp32: min cosine {cos.min():.4f} on {tags[int(cos.argmin())]!r}"
+    assert embed.embed_dtype(None, "cpu") == ("bfloat16" if native_bf16("cpu") else "float32")
+    assert embed.embed_dtype("float32", "cpu") == "float32"
+    with pytest.raises(ValueError, match="embed_dtype"):
+        Stage2Config(embed_dtype="float16")
+
+
 # ------------------------------------------------------------------ end to end on Ray
 
 

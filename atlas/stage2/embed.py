@@ -100,22 +100,44 @@ def tag_counts_ds(ds) -> pa.Table:
     return pa.table({"tag": merged.column("tag"), "n_chunks": merged.column("n_sum").cast(pa.int64())}).sort_by("tag")
 
 
-class TagEmbedder:
-    """Ray Data callable class: one sentence-transformers model per actor, batches of tags."""
+def embed_dtype(dtype: str | None, device: str) -> str:
+    """The dtype tag embedding computes in: ``dtype``, or (None) bf16 where it is native on ``device``.
 
-    def __init__(self, model_path: str, device: str = "cpu", threads: int | None = None, batch_size: int = 256):
+    Resolved where the model runs (an actor on a remote node may differ from the driver).
+    """
+    if dtype is not None:
+        return dtype
+    from atlas.hardware import native_bf16
+
+    return "bfloat16" if native_bf16(device) else "float32"
+
+
+class TagEmbedder:
+    """Ray Data callable class: one sentence-transformers model per actor, batches of tags.
+
+    bf16 runs as autocast over the fp32 weights (norms and softmax stay fp32); the output is
+    normalised in fp32.
+    """
+
+    def __init__(self, model_path: str, device: str = "cpu", threads: int | None = None, batch_size: int = 256, dtype: str | None = None):
         import torch
         from sentence_transformers import SentenceTransformer
 
         if device == "cpu" and threads:
             torch.set_num_threads(threads)
-        self.model = SentenceTransformer(model_path, device="cuda" if device == "gpu" else "cpu")
+        self.device_type = "cuda" if device == "gpu" else "cpu"
+        self.model = SentenceTransformer(model_path, device=self.device_type)
+        self.dtype = embed_dtype(dtype, device)
         self.batch_size = batch_size
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        import torch
+
         texts = batch.column("tag").to_pylist()
-        emb = self.model.encode(texts, batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True)
-        return batch.append_column("embedding", from_matrix(np.asarray(emb, np.float32)))
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.dtype == "bfloat16"):
+            emb = self.model.encode(texts, batch_size=self.batch_size, convert_to_tensor=True)
+        emb = torch.nn.functional.normalize(emb.float(), dim=-1).cpu().numpy()
+        return batch.append_column("embedding", from_matrix(emb))
 
 
 def embed_tags(
@@ -125,6 +147,7 @@ def embed_tags(
     replicas: int = 1,
     cpus: float = 1.0,
     device: str = "cpu",
+    dtype: str | None = None,
 ) -> pa.Table:
     """Embed the unique tags of ``counts`` (``tag``, ``n_chunks``) -> ``tag_embeddings``."""
     import ray.data
@@ -138,7 +161,7 @@ def embed_tags(
     ds = ray.data.from_arrow(counts).repartition(n_blocks)
     out = ds.map_batches(
         TagEmbedder,
-        fn_constructor_kwargs={"model_path": path, "device": device, "threads": threads, "batch_size": batch_size},
+        fn_constructor_kwargs={"model_path": path, "device": device, "threads": threads, "batch_size": batch_size, "dtype": dtype},
         batch_size=batch_size * 4,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=replicas),

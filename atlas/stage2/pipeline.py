@@ -23,7 +23,7 @@ def step_embed(chunk_tags: pa.Table, cfg: Stage2Config) -> tuple[pa.Table, dict]
     t0 = time.perf_counter()
     ok = chunk_tags.filter(pc.is_null(chunk_tags.column("error"))) if "error" in chunk_tags.column_names else chunk_tags
     counts = embed.tag_counts(ok)
-    emb = embed.embed_tags(counts, cfg.embedding_model, cfg.embed_batch_size, cfg.embed_replicas, cfg.embed_cpus, cfg.embed_device)
+    emb = embed.embed_tags(counts, cfg.embedding_model, cfg.embed_batch_size, cfg.embed_replicas, cfg.embed_cpus, cfg.embed_device, cfg.embed_dtype)
     return emb, {"unique_tags": emb.num_rows, "model": cfg.embedding_model, "seconds": round(time.perf_counter() - t0, 3)}
 
 

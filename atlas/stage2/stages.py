@@ -35,7 +35,7 @@ class EmbedTags(_Stage2):
     def run(self, ctx) -> dict:
         s2 = ctx.cfg.stage2
         counts = embed.tag_counts_ds(ctx.read("chunk_tags"))
-        emb = embed.embed_tags(counts, s2.embedding_model, s2.embed_batch_size, s2.embed_replicas, s2.embed_cpus, s2.embed_device)
+        emb = embed.embed_tags(counts, s2.embedding_model, s2.embed_batch_size, s2.embed_replicas, s2.embed_cpus, s2.embed_device, s2.embed_dtype)
         ctx.publish("tag_embeddings", emb, schemas.TAG_EMBEDDINGS)
         return {"unique_tags": emb.num_rows, "model": s2.embedding_model}
 
