@@ -11,7 +11,7 @@ Register a stage once, at import of its module, and list that module in ``STAGE_
     class MyStage(Stage): ...            # or register(MyStage())
 
 The pipeline order is the data-flow order (a stage runs after the stages publishing its
-inputs), ties broken by registration order.
+inputs), ties broken by the order of ``STAGE_MODULES``, then by registration order.
 
 LLM stages (tagging, judging, labelling, validation) subclass :class:`LLMStage` and write
 three small functions: ``source(ctx)`` (the input Dataset), ``requests(batch)`` (rows ->
@@ -98,7 +98,7 @@ def load_stages() -> dict[str, "Stage"]:
 
 def pipeline_order(names: Iterable[str] | None = None) -> list[str]:
     """Registered stage names in data-flow order (a producer before its consumers), ties in
-    registration order; ``names`` restricts the result to those stages."""
+    ``STAGE_MODULES`` order, then registration order; ``names`` restricts the result to those stages."""
     reg = load_stages()
     producer = {t: n for n, s in reg.items() for t in s.outputs}
     order: list[str] = []
@@ -116,7 +116,13 @@ def pipeline_order(names: Iterable[str] | None = None) -> list[str]:
         visiting.discard(n)
         order.append(n)
 
-    for n in reg:
+    # Ties follow STAGE_MODULES, then registration within a module: the order must not depend
+    # on which module some caller happened to import first.
+    def module_rank(n: str) -> int:
+        mod = type(reg[n]).__module__
+        return STAGE_MODULES.index(mod) if mod in STAGE_MODULES else len(STAGE_MODULES)
+
+    for n in sorted(reg, key=module_rank):
         visit(n)
     if names is None:
         return order

@@ -17,9 +17,11 @@ Data actors (scale out).
 
     python benchmarks/stage2_concepts.py --sizes 100000 1000000 [--embed]
 
-``--embed`` also runs the real tag embedding (``embed_tags`` on a local Ray cluster, one actor
-per thread) over as many real tag strings as each size, so the total covers all of Stage 2
-except labelling.
+Every size publishes its embeddings as a Parquet table first and the clustering reads them
+back the way stage2_cluster does. ``--embed`` makes that table with the real stage2_embed
+(a local Ray cluster, one actor per thread, the default dtype) from as many real tag
+strings as the size, so the total covers all of Stage 2 except labelling; otherwise the
+table holds synthetic embeddings.
 """
 
 from __future__ import annotations
@@ -113,19 +115,97 @@ def faiss_vs_sklearn(n: int, k: int, niter: int, threads: int) -> dict:
     return {"n": n, "k": k, "iterations": niter, "threads": threads, "faiss_s": t_faiss, "sklearn_s": t_sk, "ratio": t_sk / t_faiss}
 
 
-def run_size(n: int, k: int, cfg: Stage2Config, chunks_per_tag: float = 0.3) -> list[tuple[str, float, float]]:
+def write_synthetic(root, n: int, k: int, part_rows: int = 4096) -> None:
+    """Publish ``n`` synthetic tag embeddings as ``tag_embeddings``, in shuffled parts of
+    ``part_rows`` (the layout stage2_embed's streaming writers leave)."""
+    import pyarrow.parquet as pq
+
+    from atlas import storage
+
+    x = synthetic(n, centres=k)
+    counts = np.random.default_rng(2).zipf(1.6, n).clip(1, 10_000).astype(np.int64)
+    version = storage.new_version(root, "tag_embeddings")
+    order = np.random.default_rng(4).permutation(n)
+    for i in range(0, n, part_rows):
+        rows = np.sort(order[i : i + part_rows])
+        part = pa.table({"tag": pa.array([f"tag{j:07d}" for j in rows]), "n_chunks": counts[rows], "embedding": from_matrix(x[rows])})
+        pq.write_table(part, version.join(f"part-{i // part_rows:05d}.parquet").path, filesystem=version.fs)
+    storage.publish(root, "tag_embeddings", version, n)
+
+
+def embed_stage(root, n: int, threads: int, cfg: Stage2Config) -> None:
+    """stage2_embed itself (StageContext, Ray Data actors streaming into Parquet parts) over
+    ``n`` real tag strings, 4 per chunk, on a local Ray cluster."""
+    from atlas.cluster import ray_session
+    from atlas.config import RayConfig, RunConfig
+    from atlas.console import route_ray_logs
+    from atlas.stage import StageContext
+    from atlas.stage2.stages import EmbedTags
+
+    tags = tag_strings(n)
+    m = -(-n // 4)
+    chunk_tags = schemas.conform(
+        pa.table(
+            {
+                "chunk_id": [f"c{i:08d}" for i in range(m)],
+                "doc_id": [f"d{i // 20:07d}" for i in range(m)],
+                "tags": [tags[i * 4 : i * 4 + 4] for i in range(m)],
+                "raw_output": pa.nulls(m, pa.string()),
+                "error": pa.nulls(m, pa.string()),
+                "model": ["synthetic"] * m,
+                "request_hash": [f"h{i}" for i in range(m)],
+                "output_tokens": pa.nulls(m, pa.int32()),
+                "cached": [False] * m,
+            }
+        ),
+        schemas.CHUNK_TAGS,
+    )
+    run_cfg = RunConfig(stage2=cfg.model_copy(update={"embed_replicas": threads, "embed_cpus": 1.0}))
+    # One logical CPU beyond the actors: Ray Data's repartition task needs one or the pool hangs.
+    with ray_session(RayConfig(num_cpus=threads + 1, object_store_memory_mb=2048)):
+        route_ray_logs(os.path.join(root.path, "ray.log"))  # as `atlas run` does: Ray's INFO lines off the terminal
+        StageContext(root, run_cfg, "bench", "synthetic").publish("chunk_tags", chunk_tags)
+        del chunk_tags, tags
+        stats = EmbedTags().run(StageContext(root, run_cfg, "bench", "stage2_embed"))
+    assert stats["unique_tags"] == n, (stats, n)
+
+
+def run_size(n: int, k: int, cfg: Stage2Config, real_embed: bool, threads: int, chunks_per_tag: float = 0.3) -> list[tuple[str, float, float]]:
+    """Every step of Stage 2 but labelling at ``n`` tags -> [(step, seconds, driver peak GiB)].
+
+    The embeddings reach the clustering as the stage reads them: from a published Parquet
+    table (``read_tag_embeddings``), not from memory."""
+    import tempfile
+
+    from atlas import storage
+    from atlas.stage2.embed import read_tag_embeddings, to_matrix
+
     steps: list[tuple[str, float, float]] = []
 
     def rec(name, p):
         steps.append((name, p.seconds, p.peak / 2**30))
-        print(f"  {name:<18} {p.seconds:8.1f} s   peak RSS {p.peak / 2**30:5.2f} GiB", flush=True)
+        tree = f", driver + Ray {p.tree_peak / 2**30:5.2f} GiB" if getattr(p, "tree_peak", None) else ""
+        print(f"  {name:<18} {p.seconds:8.1f} s   peak RSS {p.peak / 2**30:5.2f} GiB{tree}", flush=True)
 
+    scratch = tempfile.TemporaryDirectory(prefix="atlas-stage2-bench-")  # 1M tags: 3 GB of Parquet
+    for sub in ("synthetic", "embedded"):
+        os.makedirs(os.path.join(scratch.name, sub))
+    root = storage.resolve(os.path.join(scratch.name, "synthetic"))
+    if real_embed:
+        # Its own output root: the steps below cluster synthetic embeddings (random word
+        # combinations have no topics, so every cluster would fail the coherence filter).
+        with Peak() as p, Peak(tree=True) as tree:
+            embed_stage(storage.resolve(os.path.join(scratch.name, "embedded")), n, threads, cfg)
+        p.tree_peak = tree.peak
+        rec("stage2_embed", p)
     with Peak() as p:
-        x = synthetic(n, centres=k)
-        tags = np.array([f"tag{i:07d}" for i in range(n)], dtype=object)
-        counts = np.random.default_rng(2).zipf(1.6, n).clip(1, 10_000).astype(np.int64)
-        emb = pa.table({"tag": pa.array(tags, pa.string()), "n_chunks": counts, "embedding": from_matrix(x)})
+        write_synthetic(root, n, k)
     rec("make data", p)
+    with Peak() as p:
+        emb = read_tag_embeddings(storage.table_path(root, "tag_embeddings"))
+        x = to_matrix(emb.column("embedding"))
+        tags = np.asarray(emb.column("tag").to_pylist(), dtype=object)
+    rec("read embeddings", p)
     with Peak() as p:
         cents = cluster.kmeans_fit(x, k, cfg.kmeans_iter, 1, cfg.seed, cfg.kmeans_sample)
     rec("kmeans fit", p)
@@ -169,6 +249,7 @@ def run_size(n: int, k: int, cfg: Stage2Config, chunks_per_tag: float = 0.3) -> 
         taxonomy.node_embeddings(cfg.embedding_model)  # cached after the first run
         concepts, _ = taxonomy.map_concepts(concepts, cfg.embedding_model, cfg.taxonomy_top_k)
     rec("taxonomy", p)
+    scratch.cleanup()
     return steps
 
 
@@ -206,23 +287,6 @@ def tag_strings(n: int, seed: int = 0) -> list[str]:
         words = rng.integers(0, len(vocab), (n, 4))
         out.update(" ".join(vocab[j] for j in w[:m]) for w, m in zip(words, lengths))
     return sorted(out)[:n]
-
-
-def embed_on_ray(n: int, threads: int, batch_size: int) -> tuple[float, float, float]:
-    """Stage 2's tag embedding (``embed_tags``: Ray Data, one 1-CPU actor per thread, the default
-    dtype) over ``n`` tag strings on a local Ray cluster -> (seconds, driver peak GiB, tree peak GiB)."""
-    from atlas.cluster import ray_session
-    from atlas.config import RayConfig
-    from atlas.stage2.embed import embed_tags
-
-    counts = pa.table({"tag": tag_strings(n), "n_chunks": pa.array(np.ones(n, np.int64))})
-    # One logical CPU beyond the actors: Ray Data's repartition task needs one or the pool hangs.
-    with ray_session(RayConfig(num_cpus=threads + 1, object_store_memory_mb=2048)):
-        driver, tree = Peak(), Peak(tree=True)
-        with driver, tree:
-            emb = embed_tags(counts, cfg_model(), batch_size=batch_size, replicas=threads, cpus=1.0)
-    assert emb.num_rows == n, (emb.num_rows, n)
-    return tree.seconds, driver.peak / 2**30, tree.peak / 2**30
 
 
 def cfg_model() -> str:
@@ -263,22 +327,16 @@ def main() -> None:
         f"min cosine between them {er['min_cosine']:.5f}; default here: {default_dtype}"
     )
     for n in args.sizes:
-        print(f"--- {n} tags, k={args.k}")
+        print(f"--- {n} tags, k={args.k}" + (f", stage2_embed on Ray ({args.threads} actors x 1 CPU, {default_dtype})" if args.embed else ", synthetic embeddings"))
         t0 = time.perf_counter()
-        steps = run_size(n, args.k, cfg)
+        steps = run_size(n, args.k, cfg, args.embed, args.threads)
         total = sum(s for name, s, _ in steps if name != "make data")
-        peak = max(m for _, _, m in steps)
-        print(
-            f"  total (excl. data generation, embedding and labelling): {total:.1f} s; peak RSS {peak:.2f} GiB "
-            f"(targets at 1M: <= 900 s, <= 6 GiB); wall {time.perf_counter() - t0:.1f} s"
-        )
+        peak = max(m for name, _, m in steps if name != "make data")
+        what = "all of Stage 2 except LLM labelling" if args.embed else "excl. data generation, embedding and labelling"
+        print(f"  total ({what}): {total:.1f} s; driver peak RSS {peak:.2f} GiB (targets at 1M: <= 900 s, <= 6 GiB); wall {time.perf_counter() - t0:.1f} s")
         if args.embed:
-            secs, drv, tree = embed_on_ray(n, args.threads, cfg.embed_batch_size)
-            print(
-                f"  tag embedding on Ray ({args.threads} actors x 1 CPU, {default_dtype}): {secs:.1f} s ({n / secs:.0f} tags/s), "
-                f"peak RSS driver {drv:.2f} GiB, driver + Ray processes {tree:.2f} GiB (counts shared object-store pages once per process)"
-            )
-            print(f"  Stage 2 except LLM labelling: {total + secs:.1f} s (target at 1M: <= 900 s)")
+            secs = dict((name, s) for name, s, _ in steps)["stage2_embed"]
+            print(f"  stage2_embed: {n / secs:.0f} tags/s")
         else:
             print(f"  embedding {n} tags at {rate:.0f} tags/s ({default_dtype}) would add {n / rate:.0f} s per actor")
         print(f"  load average: {os.getloadavg()}")

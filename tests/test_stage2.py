@@ -123,6 +123,30 @@ def test_bf16_tag_embeddings_agree_with_fp32_and_default_follows_the_hardware():
         Stage2Config(embed_dtype="float16")
 
 
+def test_read_tag_embeddings_sorts_parts_into_one_buffer(tmp_path):
+    """Parts written in arbitrary order (as Ray Data's writers leave them) come back sorted by
+    tag, every row with its own embedding and count, the float data in one contiguous buffer."""
+    import pyarrow.parquet as pq
+
+    from atlas import storage
+
+    rng = np.random.default_rng(0)
+    n, d = 1000, 8
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    perm = rng.permutation(n)
+    for i, rows in enumerate(np.array_split(perm, 7)):
+        part = pa.table({"tag": [f"t{j:04d}" for j in rows], "n_chunks": pa.array(rows, pa.int64()), "embedding": embed.from_matrix(x[rows])})
+        pq.write_table(part, tmp_path / f"part-{i}.parquet", row_group_size=50)
+    pq.write_table(schemas.TAG_EMBEDDINGS.empty_table(), tmp_path / "part-0-empty.parquet")  # an empty part sorts first
+    emb = embed.read_tag_embeddings(storage.resolve(str(tmp_path)), batch_rows=64)
+    assert emb.schema.equals(schemas.TAG_EMBEDDINGS)
+    assert emb.column("tag").to_pylist() == [f"t{j:04d}" for j in range(n)]
+    assert emb.column("n_chunks").to_pylist() == list(range(n))
+    got = embed.to_matrix(emb.column("embedding"))
+    assert np.array_equal(got, x)
+    assert emb.column("embedding").num_chunks == 1 and np.shares_memory(got, embed.to_matrix(emb.column("embedding"))), "no copy per read"
+
+
 # ------------------------------------------------------------------ end to end on Ray
 
 

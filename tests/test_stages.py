@@ -39,6 +39,22 @@ def _checksum(tbl: pa.Table, drop=("cached",)) -> str:
 # ------------------------------------------------------------------ no Ray
 
 
+def test_pipeline_order_does_not_depend_on_import_order():
+    """A caller that imports Stage 2 before Stage 1's module registers its stages first; the
+    order must still be the data-flow order with ties in STAGE_MODULES order."""
+    expected = stage.pipeline_order()
+    saved = dict(stage.REGISTRY)
+    try:
+        late_first = sorted(saved, key=lambda n: not n.startswith(("stage2", "stage3")))
+        stage.REGISTRY.clear()
+        stage.REGISTRY.update({n: saved[n] for n in late_first})
+        assert list(stage.REGISTRY)[0].startswith("stage2")
+        assert stage.pipeline_order() == expected
+    finally:
+        stage.REGISTRY.clear()
+        stage.REGISTRY.update(saved)
+
+
 def test_registry_order_and_register_checks():
     assert stage.pipeline_order()[:4] == ["ingest", "chunk", "stage1_tags", "stage1_judge"]
     assert stage.pipeline_order(["stage1_judge", "chunk"]) == ["chunk", "stage1_judge"]

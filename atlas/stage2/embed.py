@@ -1,9 +1,11 @@
 """Tag embedding: unique normalised tags with their chunk counts, embedded in Ray Data actors.
 
 ``tag_counts`` turns ``chunk_tags`` into one row per unique tag (``tag``, ``n_chunks``),
-sorted by tag so that every later step sees the same order on a rerun. ``embed_tags`` runs
+sorted by tag so that every later step sees the same order on a rerun. ``embed_tags_ds`` runs
 :class:`TagEmbedder` (one sentence-transformers model per actor, loaded once) over it with
-``map_batches``; embeddings are unit-norm float32, so inner product is cosine.
+``map_batches``, and the stage publishes that Dataset as it streams; ``read_tag_embeddings``
+reads a published version back sorted by tag into one float32 matrix. Embeddings are
+unit-norm float32, so inner product is cosine.
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ from __future__ import annotations
 import functools
 import importlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from atlas import schemas
+
+if TYPE_CHECKING:
+    from atlas import storage
 
 
 class EmbeddingModelError(ValueError):
@@ -56,7 +61,11 @@ def encode(texts: list[str], model: str, batch_size: int = 256, device: str = "c
 
 def to_matrix(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """A list<float32> column of equal-length vectors -> (n, d) float32 matrix (no Python loop)."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if isinstance(col, pa.ChunkedArray):
+        # combine_chunks copies even a single chunk: 1.5 GB at 1M tags
+        arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    else:
+        arr = col
     n = len(arr)
     if n == 0:
         return np.zeros((0, 0), np.float32)
@@ -140,7 +149,7 @@ class TagEmbedder:
         return batch.append_column("embedding", from_matrix(emb))
 
 
-def embed_tags(
+def embed_tags_ds(
     counts: pa.Table,
     model: str,
     batch_size: int = 256,
@@ -148,18 +157,18 @@ def embed_tags(
     cpus: float = 1.0,
     device: str = "cpu",
     dtype: str | None = None,
-) -> pa.Table:
-    """Embed the unique tags of ``counts`` (``tag``, ``n_chunks``) -> ``tag_embeddings``."""
+):
+    """The unique tags of ``counts`` (``tag``, ``n_chunks``) embedded by :class:`TagEmbedder`
+    actors: a lazy Ray Dataset of ``tag_embeddings`` rows, in no particular order. Publish it
+    as it streams; never collect it on the driver at corpus scale (1M tags are 1.5 GB)."""
     import ray.data
 
-    if counts.num_rows == 0:
-        return schemas.TAG_EMBEDDINGS.empty_table()
     path = resolve_embedding_model(model)
     res: dict[str, Any] = {"num_gpus": 1} if device == "gpu" else {"num_cpus": cpus}
     threads = max(1, int(cpus)) if device == "cpu" else None
     n_blocks = max(replicas, -(-counts.num_rows // (batch_size * 8)))
     ds = ray.data.from_arrow(counts).repartition(n_blocks)
-    out = ds.map_batches(
+    return ds.map_batches(
         TagEmbedder,
         fn_constructor_kwargs={"model_path": path, "device": device, "threads": threads, "batch_size": batch_size, "dtype": dtype},
         batch_size=batch_size * 4,
@@ -167,7 +176,51 @@ def embed_tags(
         compute=ray.data.ActorPoolStrategy(size=replicas),
         **res,
     )
+
+
+def embed_tags(counts: pa.Table, model: str, batch_size: int = 256, replicas: int = 1, cpus: float = 1.0, device: str = "cpu", dtype: str | None = None) -> pa.Table:
+    """:func:`embed_tags_ds` collected and sorted by tag (small tag sets: tests, notebooks)."""
+    import ray
+
+    if counts.num_rows == 0:
+        return schemas.TAG_EMBEDDINGS.empty_table()
+    out = embed_tags_ds(counts, model, batch_size, replicas, cpus, device, dtype)
     table = pa.concat_tables([t for t in ray.get(out.to_arrow_refs())])
     # Ray Data may reorder blocks; the rest of Stage 2 relies on tag order.
     return schemas.conform(table, schemas.TAG_EMBEDDINGS).sort_by("tag")
 
+
+def read_tag_embeddings(version: "storage.Location", batch_rows: int = 65_536) -> pa.Table:
+    """A published ``tag_embeddings`` version sorted by tag, with the embeddings in one
+    contiguous float32 buffer.
+
+    Reading the Parquet whole and sorting it holds the float data about four times over (1M
+    384-d tags: 6 GiB); here the tag column is read and ranked first, then the embeddings are
+    streamed in batches into their sorted rows of one preallocated matrix (one copy).
+    """
+    import pyarrow.dataset as pads
+
+    # Both passes walk the same fragments in the same order, so row i of one is row i of the other.
+    fragments = list(pads.dataset(version.path, filesystem=version.fs, format="parquet", partitioning=None).get_fragments())
+    keys = pa.concat_tables([f.to_table(columns=["tag", "n_chunks"]) for f in fragments], promote_options="default") if fragments else schemas.TAG_EMBEDDINGS.empty_table()
+    order = pc.sort_indices(keys, sort_keys=[("tag", "ascending")]).to_numpy()
+    n = keys.num_rows
+    if n == 0:
+        return schemas.TAG_EMBEDDINGS.empty_table()
+    rank = np.empty(n, np.int64)
+    rank[order] = np.arange(n)
+    x: np.ndarray | None = None
+    offset = 0
+    batches = (b for f in fragments for b in f.to_batches(columns=["embedding"], batch_size=batch_rows))
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        m = to_matrix(batch.column("embedding"))
+        if x is None:
+            x = np.empty((n, m.shape[1]), np.float32)
+        x[rank[offset : offset + len(m)]] = m
+        offset += len(m)
+    if offset != n:
+        raise ValueError(f"tag_embeddings at {version.uri}: {n} tags but {offset} embeddings (the version changed while it was read?)")
+    sorted_keys = keys.take(order)
+    return pa.table({"tag": sorted_keys.column("tag"), "n_chunks": sorted_keys.column("n_chunks"), "embedding": from_matrix(x)}, schema=schemas.TAG_EMBEDDINGS)

@@ -35,9 +35,13 @@ class EmbedTags(_Stage2):
     def run(self, ctx) -> dict:
         s2 = ctx.cfg.stage2
         counts = embed.tag_counts_ds(ctx.read("chunk_tags"))
-        emb = embed.embed_tags(counts, s2.embedding_model, s2.embed_batch_size, s2.embed_replicas, s2.embed_cpus, s2.embed_device, s2.embed_dtype)
-        ctx.publish("tag_embeddings", emb, schemas.TAG_EMBEDDINGS)
-        return {"unique_tags": emb.num_rows, "model": s2.embedding_model}
+        if counts.num_rows == 0:
+            ctx.publish("tag_embeddings", schemas.TAG_EMBEDDINGS.empty_table())
+            return {"unique_tags": 0, "model": s2.embedding_model}
+        # Streamed from the actors into Parquet parts: the embeddings never gather on the driver.
+        emb = embed.embed_tags_ds(counts, s2.embedding_model, s2.embed_batch_size, s2.embed_replicas, s2.embed_cpus, s2.embed_device, s2.embed_dtype)
+        out = ctx.publish("tag_embeddings", emb, schemas.TAG_EMBEDDINGS, total=counts.num_rows)
+        return {"unique_tags": out["rows"], "model": s2.embedding_model}
 
 
 class ClusterTags(_Stage2):
@@ -46,7 +50,7 @@ class ClusterTags(_Stage2):
     outputs = ("tag_clusters", "clusters")
 
     def run(self, ctx) -> dict:
-        emb = ctx.read_table("tag_embeddings").sort_by("tag")
+        emb = embed.read_tag_embeddings(storage.table_path(ctx.root, "tag_embeddings"))
         tc, clusters, stats = pipeline.step_cluster(emb, ctx.cfg.stage2)
         ctx.publish("tag_clusters", tc, schemas.TAG_CLUSTERS)
         ctx.publish("clusters", clusters, schemas.CLUSTERS)
@@ -65,7 +69,7 @@ class QualityReport(_Stage2):
 
     def run(self, ctx) -> dict:
         s2 = ctx.cfg.stage2
-        emb = ctx.read_table("tag_embeddings").sort_by("tag")
+        emb = embed.read_tag_embeddings(storage.table_path(ctx.root, "tag_embeddings"))
         report = quality.sweep(emb, s2.quality_models, s2.quality_ks, s2, reference_model=s2.embedding_model)
         ctx.publish("concept_quality", report, schemas.CONCEPT_QUALITY)
         storage.write_bytes_atomic(ctx.root.join("plots", "concept_quality.png"), quality.plot(report))
