@@ -182,10 +182,10 @@ def run_size(n: int, k: int, cfg: Stage2Config, real_embed: bool, threads: int, 
 
     steps: list[tuple[str, float, float]] = []
 
-    def rec(name, p):
+    def rec(name, p, tree=None):
         steps.append((name, p.seconds, p.peak / 2**30))
-        tree = f", driver + Ray {p.tree_peak / 2**30:5.2f} GiB" if getattr(p, "tree_peak", None) else ""
-        print(f"  {name:<18} {p.seconds:8.1f} s   peak RSS {p.peak / 2**30:5.2f} GiB{tree}", flush=True)
+        with_ray = f", driver + Ray {tree.peak / 2**30:5.2f} GiB" if tree else ""
+        print(f"  {name:<18} {p.seconds:8.1f} s   peak RSS {p.peak / 2**30:5.2f} GiB{with_ray}", flush=True)
 
     scratch = tempfile.TemporaryDirectory(prefix="atlas-stage2-bench-")  # 1M tags: 3 GB of Parquet
     for sub in ("synthetic", "embedded"):
@@ -196,8 +196,7 @@ def run_size(n: int, k: int, cfg: Stage2Config, real_embed: bool, threads: int, 
         # combinations have no topics, so every cluster would fail the coherence filter).
         with Peak() as p, Peak(tree=True) as tree:
             embed_stage(storage.resolve(os.path.join(scratch.name, "embedded")), n, threads, cfg)
-        p.tree_peak = tree.peak
-        rec("stage2_embed", p)
+        rec("stage2_embed", p, tree)
     with Peak() as p:
         write_synthetic(root, n, k)
     rec("make data", p)
