@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from model.config import ModelConfig, TrainConfig
-from model.modeling import Steerling, block_causal_mask, causal_mask
+from model.modeling import Steerling, _topk_logits, block_causal_mask, causal_mask
 from model.objectives import compute_losses
 
 
@@ -81,6 +81,41 @@ def test_topk_leaves_exactly_k_active_concepts():
     # selected concepts are the top-k of the head's logits
     logits = model.concept.known_logits(model.hidden(x).reshape(N, -1))
     assert torch.equal(co.known_idx.sort(1).values, logits.topk(cfg.topk_known, dim=1).indices.sort(1).values)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_topk_linear_matches_autograd_through_dense_logits(with_bias):
+    """The concept heads' top-k (one dense product, or a chunked scan above ``topk_chunk``
+    concepts) selects the true top-k and has exactly the gradients autograd gives through
+    the dense logits gathered at those k; chunk 7 does not divide 50 (a ragged last chunk)."""
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(8, 16, generator=gen, dtype=torch.float64)
+    w0 = torch.randn(50, 16, generator=gen, dtype=torch.float64)
+    b0 = torch.randn(50, generator=gen, dtype=torch.float64) if with_bias else None
+    coef = torch.randn(8, 5, generator=gen, dtype=torch.float64)
+
+    def leaves():
+        return (x0.clone().requires_grad_(), w0.clone().requires_grad_(),
+                b0.clone().requires_grad_() if with_bias else None)
+
+    x, w, b = leaves()
+    dense = x @ w.t() + (b if with_bias else 0)
+    ref_idx = dense.detach().topk(5, dim=1).indices.sort(1).values
+    (dense.gather(1, ref_idx) * coef).sum().backward()
+    for chunk in (64, 7):  # 64 >= 50: one product; 7: chunked scan
+        xc, wc, bc = leaves()
+        idx, z = _topk_logits(xc, wc, bc, 5, chunk)
+        order = idx.argsort(1)  # compare as sets per row
+        idx, z = idx.gather(1, order), z.gather(1, order)
+        (z * coef).sum().backward()
+        assert torch.equal(idx, ref_idx)
+        assert torch.allclose(z, dense.detach().gather(1, ref_idx))
+        assert torch.allclose(xc.grad, x.grad) and torch.allclose(wc.grad, w.grad)
+        if with_bias:
+            assert torch.allclose(bc.grad, b.grad)
+    picked = torch.zeros(50, dtype=torch.bool)
+    picked[ref_idx.unique()] = True  # 8 rows x 5 picks: at least 10 of the 50 concepts are never selected
+    assert (w.grad[~picked] == 0).all() and (w.grad[picked].abs().sum(1) > 0).all()
 
 
 @pytest.mark.parametrize("family", ["ar_concept", "cdlm_concept"])
