@@ -9,8 +9,9 @@ one's share of the bf16 matmul peak measured in this run, and os.getloadavg().
     PYTHONPATH=. python benchmarks/train_throughput.py --gpu --preset bench25M --steps 30
 
 Only the optimizer steps are timed (Ray Train start-up, data preparation and the first
-``--warmup`` steps are excluded on both sides). On a shared machine the figures are rough:
-read them with the load average.
+``--warmup`` steps are excluded on both sides). Tokens/s come from each side's median step
+time (the mean-based ratio is printed beside it); the single process runs once before and once
+after the trainer, so drift on a shared host reaches both. Read the figures with the load average.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 
@@ -41,7 +43,8 @@ def matmul_peak(dtype, device: str, n: int, threads: int, reps: int = 10) -> flo
     return 2 * n**3 * reps / (time.perf_counter() - t)
 
 
-def single_process(mcfg, tcfg, batches, steps: int, warmup: int, device: str, threads: int) -> float:
+def single_process(mcfg, tcfg, batches, steps: int, warmup: int, device: str, threads: int) -> list[float]:
+    """Seconds of each timed optimizer step of the single-process loop."""
     import torch
 
     from model.loop import autocast_factory, make_optimizer, train_step
@@ -53,23 +56,22 @@ def single_process(mcfg, tcfg, batches, steps: int, warmup: int, device: str, th
     opt = make_optimizer(model, tcfg)
     ac = autocast_factory(tcfg.dtype, device)
     gen = torch.Generator(device=device).manual_seed(1)
-    t0 = None
+    times = []
     for s in range(warmup + steps):
-        if s == warmup:
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
+        t = time.perf_counter()
         b = {k: v.to(device) for k, v in batches[s % len(batches)].items()}
         train_step(model, opt, b, tcfg, s, warmup + steps, gen, ac)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return steps * tcfg.tokens_per_step / (time.perf_counter() - t0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if s >= warmup:
+            times.append(time.perf_counter() - t)
+    return times
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -111,14 +113,19 @@ def main() -> None:
     with ray_session(RayConfig(num_cpus=max(2, cores + 1), object_store_memory_mb=512)):
         prep = prepare(data, a.seq_len, 0, mcfg.n_known, mcfg.vocab_size)
         batches = list(iter_batches(prep.train, a.batch_size, mcfg.n_known))
-        sp = single_process(mcfg, tcfg, batches, a.steps, a.warmup, device, single_threads)
+        # The single process runs before and after the trainer, so drift on a shared host hits both sides.
+        sp_steps = single_process(mcfg, tcfg, batches, a.steps, a.warmup, device, single_threads)
         dist = DistConfig(num_workers=a.workers, cpus_per_worker=a.threads, threads_per_worker=a.threads,
                           zero_stage=a.zero_stage, use_gpu=a.gpu, checkpoint_every=0)
         res = train(mcfg, tcfg, data, os.path.join(tmp, "run"), dist=dist, progress=False, tokenizer=prep.tokenizer)
+        sp_steps += single_process(mcfg, tcfg, batches, a.steps, a.warmup, device, single_threads)
     import polars as pl
 
     steps = pl.read_parquet(os.path.join(tmp, "run", "metrics", "steps.parquet")).filter(pl.col("step") >= a.warmup)
-    ds = steps.height * tcfg.tokens_per_step / steps["step_s"].sum()
+    ds_steps = steps["step_s"].to_list()
+    # Median step time: one descheduled step on a 2-core host moves a mean by several %.
+    sp = tcfg.tokens_per_step / statistics.median(sp_steps)
+    ds = tcfg.tokens_per_step / statistics.median(ds_steps)
 
     peak_threads = 1  # per core (CPU) / per device (GPU)
     peak_bf16 = matmul_peak(torch.bfloat16, device, a.peak_n, peak_threads)
@@ -134,6 +141,10 @@ def main() -> None:
         "single_process_tokens_per_s": round(sp, 1), "single_process_per_core": round(per_core_sp, 1),
         "ray_deepspeed_tokens_per_s": round(ds, 1), "ray_deepspeed_per_core": round(per_core_ds, 1),
         "ratio_per_core": round(per_core_ds / per_core_sp, 3), "target_ratio": 0.8,
+        "ratio_per_core_of_mean_step": round(statistics.fmean(sp_steps) / statistics.fmean(ds_steps) * (1 if a.gpu else single_threads / unit), 3),
+        "timed_steps": {"single_process": len(sp_steps), "ray_deepspeed": len(ds_steps)},
+        "single_process_per_core_before_after": [round(tcfg.tokens_per_step / statistics.median(half) / (1 if a.gpu else single_threads), 1)
+                                                 for half in (sp_steps[:a.steps], sp_steps[a.steps:])],
         "bf16_matmul_peak_gflops_per_core": round(peak_bf16 / 1e9, 2),
         "fp32_matmul_peak_gflops_per_core": round(peak_fp32 / 1e9, 2),
         "single_process_share_of_bf16_peak": round(per_core_sp * fpt / peak_bf16, 4),
