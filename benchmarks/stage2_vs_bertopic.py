@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 import pyarrow.compute as pc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,28 +83,17 @@ def tagged_chunks(root: storage.Location) -> tuple[list[str], list[str]]:
     return chunks.column("chunk_id").to_pylist(), chunks.column("text").to_pylist()
 
 
-def atlas_topics(root: storage.Location, chunk_ids: list[str], partition: bool = False) -> list[np.ndarray]:
+def atlas_topics(chunk_concepts: pl.DataFrame, chunk_ids: list[str], partition: bool = False) -> list[np.ndarray]:
     """Member chunk indices per concept, largest first. ``partition``: each chunk only in its
     strongest concept (most of its tags map there; ties to the larger concept, then the id), a
     hard partition like BERTopic's."""
-    cc = storage.read_table(root, "chunk_concepts", ["chunk_id", "concept_id", "n_tags"])
-    row = {c: i for i, c in enumerate(chunk_ids)}
-    pairs = [(row[c], con, n) for c, con, n in zip(cc.column("chunk_id").to_pylist(), cc.column("concept_id").to_pylist(),
-                                                    cc.column("n_tags").to_pylist()) if c in row]
+    row = pl.DataFrame({"chunk_id": chunk_ids, "i": np.arange(len(chunk_ids))})
+    df = chunk_concepts.join(row, on="chunk_id").unique(["i", "concept_id"])
     if partition:
-        support: dict[str, int] = {}
-        for _, con, _ in pairs:
-            support[con] = support.get(con, 0) + 1
-        best: dict[int, tuple] = {}
-        for i, con, n in pairs:
-            key = (n, support[con], con)
-            if i not in best or key > best[i]:
-                best[i] = key
-        pairs = [(i, key[2], key[0]) for i, key in best.items()]
-    members: dict[str, set[int]] = {}
-    for i, con, _ in pairs:
-        members.setdefault(con, set()).add(i)
-    return sorted((np.array(sorted(m)) for m in members.values()), key=len, reverse=True)
+        df = (df.with_columns(support=pl.len().over("concept_id"))
+              .sort(["n_tags", "support", "concept_id"], descending=True).unique("i", keep="first"))
+    groups = df.group_by("concept_id").agg(pl.col("i").sort(), n=pl.len()).sort(["n", "concept_id"], descending=[True, False])
+    return [np.array(g) for g in groups["i"].to_list()]
 
 
 def bertopic_topics(texts: list[str], embeddings: np.ndarray, nr_topics: int | str | None, seed: int) -> list[np.ndarray]:
@@ -190,8 +180,9 @@ def main() -> None:
     short = len(texts) < args.min_chunks
     if short:  # the demo corpus alone has ~1,200 chunks: still run, but say the figure is below the bar
         log(f"WARNING: only {len(texts)} tagged chunks, fewer than --min-chunks {args.min_chunks}")
-    ours = [t for t in atlas_topics(root, chunk_ids) if len(t) >= args.min_topic_chunks]
-    ours_hard = [t for t in atlas_topics(root, chunk_ids, partition=True) if len(t) >= args.min_topic_chunks]
+    chunk_concepts = pl.from_arrow(storage.read_table(root, "chunk_concepts", ["chunk_id", "concept_id", "n_tags"]))
+    ours = [t for t in atlas_topics(chunk_concepts, chunk_ids) if len(t) >= args.min_topic_chunks]
+    ours_hard = [t for t in atlas_topics(chunk_concepts, chunk_ids, partition=True) if len(t) >= args.min_topic_chunks]
     covered = len(set(np.concatenate(ours).tolist())) if ours else 0
     log(f"{len(texts)} tagged chunks; atlas: {len(ours)} concepts with >= {args.min_topic_chunks} chunks, covering {covered}")
 
