@@ -19,6 +19,7 @@ from atlas import stage as stg
 from atlas import storage
 from atlas.cluster import ray_session
 from atlas.config import ConfigError, RunConfig
+from atlas.engine.runner import engine_loads, engine_session, release_engines
 from atlas.manifest import Manifest
 
 log = logging.getLogger("atlas.run")
@@ -80,7 +81,11 @@ def run(cfg: RunConfig, stages: tuple[str, ...] | None = None, force: bool = Fal
 
                     route_ray_logs(getattr(console, "log_file", None))
                 stack.enter_context(ray_session(cfg.ray, shared_uris=(cfg.input, cfg.output)))
+                stack.enter_context(engine_session())  # left before Ray is shut down
                 ray_up = True
+            if not stg.keeps_engines(stage, cfg):
+                release_engines()  # a stage that needs the machine gets it without idle engines
+            loads = engine_loads()
             fp, inputs = stg.fingerprint(stage, cfg, root)
             log.info("stage started", extra=extra)
             if console is not None:
@@ -89,6 +94,7 @@ def run(cfg: RunConfig, stages: tuple[str, ...] | None = None, force: bool = Fal
             t0 = time.perf_counter()
             try:
                 stats = stage.run(stg.StageContext(root, cfg, cfg.run_id or "", name))
+                stats["engine_loads"] = engine_loads() - loads
             except BaseException as e:
                 manifest.fail(name, e)
                 log.error("stage failed", extra={**extra, "error": str(e)})

@@ -72,12 +72,25 @@ class BaseStage:
     def enabled(self, cfg: RunConfig) -> bool:
         return True
 
+    def keeps_engines(self, cfg: RunConfig) -> bool:
+        """Whether the run's idle LLM engines may stay loaded while this stage runs (see
+        :func:`keeps_engines`)."""
+        return False
+
     def source_fingerprint(self, cfg: RunConfig) -> str | None:
         """Extra fingerprint of what the stage reads outside the run's tables (e.g. the corpus)."""
         return None
 
     def run(self, ctx: "StageContext") -> dict:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+def keeps_engines(stage: Stage, cfg: RunConfig) -> bool:
+    """True for a stage that uses the run's LLM engines or is light enough to run beside them
+    idle (small tables, no actor pools or trainers); before any other stage the runner
+    releases the engines, so their CPUs, GPUs and memory are free for it. Undeclared: False."""
+    fn = getattr(stage, "keeps_engines", None)
+    return bool(fn(cfg)) if fn is not None else False
 
 
 def register(stage: Any) -> Any:
@@ -392,6 +405,9 @@ class LLMStage(BaseStage):
 
     def model(self, cfg: RunConfig) -> str | None:
         return None
+
+    def keeps_engines(self, cfg: RunConfig) -> bool:
+        return True
 
     def max_error_rate(self, cfg: RunConfig) -> float | None:
         return cfg.stage1.max_error_rate

@@ -73,3 +73,26 @@ def small_engine_cfg(**kw):
     base = dict(max_model_len=1024, max_num_seqs=32, batch_size=32, kv_cache_gib=1.0, cpus_per_replica=1.0)
     base.update(kw)
     return EngineConfig(**base)
+
+
+def engine_server_processes() -> int:
+    """Engine server actor processes (atlas.engine.runner.EngineServer) alive on this host
+    (Ray titles an actor's process ``ray::<class>``)."""
+    import psutil
+
+    n = 0
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        n += bool(cmd) and cmd[0].startswith("ray::EngineServer")
+    return n
+
+
+def alive_engine_servers(at_most: int = 0, wait_s: float = 30) -> int:
+    """:func:`engine_server_processes`, once at most ``at_most`` are left or after ``wait_s``
+    (ray.kill is asynchronous)."""
+    import time
+
+    deadline = time.time() + wait_s
+    while (n := engine_server_processes()) > at_most and time.time() < deadline:
+        time.sleep(0.5)
+    return n

@@ -458,7 +458,7 @@ def test_engine_actor_replaces_an_engine_that_failed():
         s = Sampling(max_tokens=8).key()
         return pa.table({"key": ["k"], "prompt": [prompt], "sampling": [s], "request_hash": [request_hash("m", prompt, s)]})
 
-    first = actor._engine()
+    first = actor.server._engine()
     first.close = lambda: closed.append(True)
 
     def dead(prompts, sampling):
@@ -467,9 +467,9 @@ def test_engine_actor_replaces_an_engine_that_failed():
     first.generate = dead
     out = actor(batch("Text: lobsters live in the sea"))
     assert "engine failure: EngineDead" in out.column("_a_error")[0].as_py() and closed == [True]
-    assert actor.backend is None
+    assert actor.server.backend is None
     out = actor(batch("Text: lobsters live in the sea"))
-    assert out.column("_a_error")[0].as_py() is None and actor.backend is not None and actor.backend is not first
+    assert out.column("_a_error")[0].as_py() is None and actor.server.backend is not None and actor.server.backend is not first
 
 
 def test_streamed_answers_leave_the_engine_batch_by_batch(ray_cluster):
@@ -489,3 +489,53 @@ def test_streamed_answers_leave_the_engine_batch_by_batch(ray_cluster):
     blocks = [ray.get(r) for r in out.to_arrow_refs()]
     assert sorted(b.num_rows for b in blocks) == [8] * 5
     assert sorted(k for b in blocks for k in b.column("key").to_pylist()) == sorted(req.column("key").to_pylist())
+
+
+def test_engine_session_serves_every_call_from_one_server_until_released(ray_cluster):
+    """In a session, calls with the same model and engine config share one engine server (one
+    engine load, the same ready time); outside one, each call loads its own; release frees the
+    server, the next call loads anew; another model replaces the server rather than joining it;
+    leaving the session leaves no server behind."""
+    import pyarrow as pa
+
+    from atlas.engine import generate
+    from atlas.engine.runner import engine_loads, engine_session, release_engines
+    from tests.engine_fixtures import alive_engine_servers, engine_server_processes
+
+    cfg = EngineConfig(backend="test", batch_size=4, cpus_per_replica=0.5)
+    s = Sampling(max_tokens=8).key()
+
+    def call(tag: str, model: str = "m"):
+        req = pa.table({"key": [f"{tag}{i}" for i in range(6)], "prompt": [f"Text: {tag} lobsters {i}" for i in range(6)], "sampling": [s] * 6})
+        answers, stats = generate(req, cfg, model, model)
+        assert answers.num_rows == 6 and answers.column("error").null_count == 6
+        return stats.engine_ready_at
+
+    alone = [call("a"), call("b")]
+    assert alone[0] != alone[1] and engine_loads() == 0
+    with engine_session():
+        shared = [call("c"), call("d")]
+        assert shared[0] == shared[1] and engine_loads() == 1 and engine_server_processes() == 1
+        release_engines()
+        assert alive_engine_servers() == 0 and engine_loads() == 1
+        assert call("e") > shared[0] and engine_loads() == 2
+        # Another model frees the current one's server first: one engine held at a time.
+        call("f", model="m2")
+        assert engine_loads() == 3 and alive_engine_servers(at_most=1) == 1
+        assert call("g", model="m2") is not None and engine_loads() == 3
+    assert alive_engine_servers() == 0
+
+
+def test_each_actor_of_a_pipeline_claims_its_own_server(ray_cluster):
+    import ray
+
+    from atlas.engine.runner import EngineServer, _claim
+
+    servers = [ray.remote(EngineServer).options(num_cpus=0).remote("m", EngineConfig(backend="test").model_dump()) for _ in range(2)]
+    try:
+        picks = [_claim(servers, "p1") for _ in range(3)]
+        assert picks[0] != picks[1] and picks[2] in servers  # a third actor shares the least claimed
+        assert _claim(servers, "p2") == servers[0]  # a new pipeline claims afresh
+    finally:
+        for a in servers:
+            ray.kill(a)

@@ -41,6 +41,11 @@ def test_pipeline_on_s3_and_cached_rerun(ray_cluster, s3_server, s3_client):
     st = first["stages"]
     print("stage seconds:", {n: s.get("seconds") for n, s in st.items()})
     assert first["status"] == "done"
+    # Consecutive LLM stages on the same model share its engine (concepts reuses labelling's);
+    # the judges run another model, which frees the one before it.
+    loads = {n: s["stats"]["engine_loads"] for n, s in st.items() if s["status"] == "done"}
+    assert loads == {"ingest": 0, "chunk": 0, "stage1_tags": 1, "stage1_judge": 1, "stage2_embed": 0, "stage2_cluster": 0,
+                     "stage2_label": 1, "stage2_concepts": 0, "stage2_judge": 1, "stage3_train": 0, "stage3_annotate": 0}, loads
     assert st["ingest"]["stats"]["documents"] == 2 and st["ingest"]["stats"]["quarantine_reasons"] == {"empty": 1}
     tags_stats = st["stage1_tags"]["stats"]
     assert tags_stats["rows"] == 16 and tags_stats["engine_started"] and tags_stats["cached"] == 0
@@ -67,7 +72,7 @@ def test_pipeline_on_s3_and_cached_rerun(ray_cluster, s3_server, s3_client):
     assert {s["status"] for s in skipped["stages"].values()} == {"skipped"}
     second = runner.run(cfg.model_copy(update={"run_id": "e2e-3"}), stages=("stage1_tags", "stage1_judge"), force=True)
     again = second["stages"]["stage1_tags"]["stats"]
-    assert again["cached"] == again["rows"] == 16 and not again["engine_started"]
+    assert again["cached"] == again["rows"] == 16 and not again["engine_started"] and again["engine_loads"] == 0
     assert second["stages"]["stage1_judge"]["stats"]["engine_started"] is False
     _, tags2 = _read(s3_client, "e2e", "run", "chunk_tags")
     cols = [c for c in tags.column_names if c != "cached"]

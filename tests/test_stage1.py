@@ -90,6 +90,7 @@ def _checksum(tbl: pa.Table, drop=("cached",)) -> str:
 
 @pytest.fixture(scope="module")
 def stage1_run(ray_cluster, tmp_path_factory):
+    from atlas.engine.runner import engine_session
     from atlas.stage1_tags import judge_tags, tag_chunks
 
     out = tmp_path_factory.mktemp("stage1")
@@ -107,11 +108,12 @@ def stage1_run(ray_cluster, tmp_path_factory):
         stage1=Stage1Config(max_tags=5, max_new_tokens=48, max_error_rate=0.5),
         judge=JudgeConfig(sample_chunks=6),
     )
-    first = tag_chunks(root, cfg)
-    t1 = storage.read_table(root, "chunk_tags")
-    second = tag_chunks(root, cfg)
-    t2 = storage.read_table(root, "chunk_tags")
-    judge = judge_tags(root, cfg)
+    with engine_session():  # as in a run: engines on shared servers, the judge's model replacing the tagger's
+        first = tag_chunks(root, cfg)
+        t1 = storage.read_table(root, "chunk_tags")
+        second = tag_chunks(root, cfg)
+        t2 = storage.read_table(root, "chunk_tags")
+        judge = judge_tags(root, cfg)
     return dict(root=root, cfg=cfg, chunks=chunks, first=first, second=second, t1=t1, t2=t2, judge=judge, out=out)
 
 

@@ -15,7 +15,7 @@ from atlas import runner, schemas, stage, storage
 from atlas.config import EngineConfig, JudgeConfig, RunConfig, Stage1Config
 from atlas.engine import GenerationCache
 from tests.conftest import DEMO_CORPUS
-from tests.engine_fixtures import demo_chunks
+from tests.engine_fixtures import alive_engine_servers, demo_chunks
 
 
 def _cfg(**kw) -> RunConfig:
@@ -199,6 +199,9 @@ def test_runner_skips_up_to_date_stages_and_reruns_from_a_changed_one(ray_cluste
     assert m1["stages"]["stage1_judge"]["stats"]["chunks"] == 4
     assert m1["stages"]["stage1_tags"]["tables"]["chunk_tags"]["rows"] == m1["stages"]["chunk"]["tables"]["chunks"]["rows"]
     assert (out / "plots" / "tag_judge.png").read_bytes()[:4] == b"\x89PNG"
+    # Tagging and judging use different models: each stage loads its own, and the run freed both.
+    assert [m1["stages"][n]["stats"]["engine_loads"] for n in stage1] == [0, 0, 1, 1]
+    assert alive_engine_servers() == 0
 
     m2 = runner.run(cfg.model_copy(update={"run_id": "r2"}))
     assert {n: m2["stages"][n]["status"] for n in stage1} == dict.fromkeys(stage1, "skipped")
@@ -208,6 +211,10 @@ def test_runner_skips_up_to_date_stages_and_reruns_from_a_changed_one(ray_cluste
 
     m3 = runner.run(cfg.model_copy(update={"run_id": "r3", "stage1": Stage1Config(max_tags=2)}))
     status = {n: m3["stages"][n]["status"] for n in stage1}
+    assert [m3["stages"][n]["stats"]["engine_loads"] for n in stage1[2:]] == [1, 0]
+    # The judge's questions (a chunk and one of its first tags) were all asked in r1: answered
+    # from the cache, so its engine never started.
+    assert m3["stages"]["stage1_judge"]["stats"]["generated"] == 0 < m3["stages"]["stage1_judge"]["stats"]["cached"]
     assert status == {"ingest": "skipped", "chunk": "skipped", "stage1_tags": "done", "stage1_judge": "done"}
     assert storage.current_version(root, "chunks") == versions["chunks"]
     assert storage.current_version(root, "chunk_tags") != versions["chunk_tags"]

@@ -9,7 +9,9 @@ Public API:
   ``Sampling(max_tokens=1, score_choices=("1", ..., "5"))`` scores answers by the model's
   probabilities; :func:`parse_score_text` / :func:`expected_score` read the result back.
 * :mod:`atlas.engine.prompts` - few-shot prompts and output schemas.
-* :class:`EngineActor` - the Ray Data callable class owning ``vllm.LLM`` (or transformers).
+* :class:`EngineActor` - the Ray Data callable class serving request batches; it owns
+  ``vllm.LLM`` (or transformers) itself, or, inside an :func:`engine_session`, forwards to the
+  run's shared :class:`EngineServer` actors.
 * :func:`make_backend` - an in-process backend (benchmarks, notebooks).
 """
 
@@ -38,7 +40,17 @@ from atlas.engine.core import (
     score_text,
 )
 from atlas.engine.models import EMBEDDED, ModelError, is_instruct, prepare_embedded, resolve_model
-from atlas.engine.runner import EngineActor, GenerationStats, actor_resources, generate, split_answers, stream_generate
+from atlas.engine.runner import (
+    EngineActor,
+    EngineServer,
+    GenerationStats,
+    actor_resources,
+    engine_session,
+    generate,
+    release_engines,
+    split_answers,
+    stream_generate,
+)
 from atlas.storage import Location
 
 __all__ = [
@@ -47,6 +59,9 @@ __all__ = [
     "Engine",
     "engine_dtype",
     "EngineActor",
+    "EngineServer",
+    "engine_session",
+    "release_engines",
     "GenerationCache",
     "GenerationStats",
     "ModelError",

@@ -18,9 +18,17 @@ and ``request_hash`` added. Nothing is collected on the driver:
    so a fully cached rerun never starts vLLM, and it appends that batch's new generations
    to the cache before returning it: a crash loses at most the batches in flight.
 
+Inside an :func:`engine_session` (the runner opens one per run) the engine itself lives in
+:class:`EngineServer` actors shared by every call with the same model and engine config, so
+consecutive LLM stages load a model once (on CPU ~30 s for Gemma 3 270M; minutes for a
+large model on GPU); the Ray Data actors then only fill from the cache, forward misses and
+write the cache. The runner releases the servers before any stage that does not declare
+:meth:`~atlas.stage.BaseStage.keeps_engines`, so embedding, clustering and training never run
+beside an idle engine's memory and GPUs. Outside a session each actor owns its engine.
+
 :func:`generate` is the same path for a small in-memory request table (benchmarks).
 
-Resources per actor:
+Resources per engine (the actor owning it: a server in a session, else the Ray Data actor):
 * CPU: ``num_cpus=cpus_per_replica`` (a scheduling share; keep it fractional on small hosts),
   ``VLLM_CPU_KVCACHE_SPACE=kv_cache_gib``. vLLM binds its own OMP threads ('auto': all cores
   but one, which its scheduler keeps; measured fastest on 2 cores); ``cpu_threads`` overrides
@@ -34,8 +42,10 @@ Resources per actor:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+import uuid
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,24 +92,19 @@ def dedupe_keys(batch: pa.Table) -> pa.Table:
     return batch.take(np.sort(idx.column("_i_min").to_numpy()))
 
 
-class EngineActor:
-    """Ray Data callable class: one engine per actor (started on the first cache miss), a
-    batch of requests per call; new generations go to the cache per batch."""
+class EngineServer:
+    """Owns one engine: started on its first request, closed (and started anew on the next
+    request) when a call fails, e.g. because vLLM's core died. Used in-process by an
+    :class:`EngineActor`, or as a Ray actor that the stages of one run share (see
+    :func:`engine_session`), so a run loads each model once instead of once per stage."""
 
-    def __init__(
-        self, model_dir: str, engine_cfg: dict[str, Any], model_id: str = "", cache_uri: str | None = None, storage_cfg: dict | None = None
-    ):
+    def __init__(self, model_dir: str, engine_cfg: dict[str, Any]):
         self.cfg = EngineConfig.model_validate(engine_cfg)
         self.model_dir = model_dir
-        self.model_id = model_id or model_dir
         self.backend = None
         self.ready_at: float | None = None  # wall clock when the engine was ready (benchmarks)
-        self.cache = None
-        if cache_uri is not None:
-            from atlas import storage
-            from atlas.config import StorageConfig
-
-            self.cache = GenerationCache(storage.resolve(cache_uri, StorageConfig.model_validate(storage_cfg or {})))
+        self.loads = 0  # engines started by this server (a stage's "engine_loads")
+        self._claims: dict[str, int] = {}
 
     def _engine(self):
         if self.backend is None:
@@ -117,10 +122,11 @@ class EngineActor:
             # Warm-up: first-call costs (kernels, sampler set-up) belong to start-up, not to a batch.
             self.backend.generate(["Warm-up."], Sampling(max_tokens=1))
             self.ready_at = time.time()
+            self.loads += 1
         return self.backend
 
     def _drop_engine(self) -> None:
-        """Close the engine (its child processes die with it) so the next batch starts anew."""
+        """Close the engine (its child processes die with it) so the next call starts anew."""
         b, self.backend = getattr(self, "backend", None), None
         if b is not None:
             try:
@@ -130,6 +136,62 @@ class EngineActor:
 
     def __del__(self) -> None:
         self._drop_engine()
+
+    def generate(self, prompts: list[str], sampling_key: str) -> tuple[list[Result], float | None]:
+        """Answers of ``prompts`` (one per prompt, errors included; never raises) and the time
+        the serving engine was ready."""
+        try:
+            results = self._engine().generate(prompts, Sampling.from_key(sampling_key))
+        except Exception as e:  # noqa: BLE001 - never fail the job for one batch
+            results = [Result(None, error=f"engine failure: {type(e).__name__}: {e}")] * len(prompts)
+            self._drop_engine()  # the next call starts a fresh engine
+        return results, self.ready_at
+
+    def claim(self, token: str) -> int:
+        """How many Ray Data actors of the pipeline ``token`` claimed this server before."""
+        n = self._claims.get(token, 0)
+        self._claims[token] = n + 1
+        return n
+
+    def stats(self) -> dict[str, Any]:
+        return {"loads": self.loads, "ready_at": self.ready_at}
+
+    def close(self) -> None:
+        self._drop_engine()
+
+
+class EngineActor:
+    """Ray Data callable class: a batch of requests per call, cached rows filled from the
+    join, the rest generated by its engine server (in this process, or a shared
+    :class:`EngineServer` actor of the run's :func:`engine_session`); new generations go to
+    the cache per batch."""
+
+    def __init__(
+        self, model_dir: str, engine_cfg: dict[str, Any], model_id: str = "", cache_uri: str | None = None, storage_cfg: dict | None = None,
+        servers: list | None = None, token: str = "",
+    ):
+        self.model_id = model_id or model_dir
+        self.ready_at: float | None = None
+        self.cache = None
+        if cache_uri is not None:
+            from atlas import storage
+            from atlas.config import StorageConfig
+
+            self.cache = GenerationCache(storage.resolve(cache_uri, StorageConfig.model_validate(storage_cfg or {})))
+        self.server: Any = EngineServer(model_dir, engine_cfg) if not servers else _claim(servers, token)
+
+    def _generate(self, prompts: list[str], sampling_key: str) -> list[Result]:
+        if isinstance(self.server, EngineServer):
+            results, ready = self.server.generate(prompts, sampling_key)
+        else:
+            import ray
+
+            try:
+                results, ready = ray.get(self.server.generate.remote(prompts, sampling_key))
+            except Exception as e:  # noqa: BLE001 - the server process died: Ray restarts it, the next batch retries
+                return [Result(None, error=f"engine failure: {type(e).__name__}: {str(e)[:300]}")] * len(prompts)
+        self.ready_at = ready
+        return results
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         n = batch.num_rows
@@ -158,11 +220,7 @@ class EngineActor:
                 groups.setdefault(samplings[rows[0]], []).append(rows[0])
             fresh = []
             for skey, idx in groups.items():
-                try:
-                    results = self._engine().generate([prompts[i] for i in idx], Sampling.from_key(skey))
-                except Exception as e:  # noqa: BLE001 - never fail the job for one batch
-                    results = [Result(None, error=f"engine failure: {type(e).__name__}: {e}")] * len(idx)
-                    self._drop_engine()  # the next batch starts a fresh engine
+                results = self._generate([prompts[i] for i in idx], skey)
                 for i, r in zip(idx, results):
                     for j in todo[hashes[i]]:
                         out["text"][j], out["output_tokens"][j] = r.text, r.output_tokens
@@ -217,6 +275,104 @@ def actor_resources(cfg: EngineConfig) -> dict[str, Any]:
     return res
 
 
+# Server processes of the open engine session, by (model dir, model id, engine config);
+# None: no session, each stage's actors own their engines.
+_SESSION: dict[str, list] | None = None
+_RELEASED_LOADS = 0  # engine loads of servers already released in this session
+# Ray Data actors in front of shared servers only move batches and write the cache; they hold
+# no CPU, so the engine's share (held by its server) is all an LLM stage holds, as without a
+# session, and the stage's read tasks still find a whole CPU on a 2-core node.
+PROXY_CPUS = 0
+
+
+@contextlib.contextmanager
+def engine_session():
+    """Within it, every stage (every :func:`stream_generate`) that asks for the same model and
+    engine config is served by the same :class:`EngineServer` actors (``engine.replicas`` of
+    them, holding the engine's Ray resources), so a run loads a model once, not once per
+    stage. It holds one engine (model and config) at a time: a stage asking for another one
+    frees the current one first. :func:`release_engines` frees them early, and leaving the
+    session frees them. Nested sessions are the outer one."""
+    global _SESSION, _RELEASED_LOADS
+    if _SESSION is not None:
+        yield
+        return
+    _SESSION, _RELEASED_LOADS = {}, 0
+    try:
+        yield
+    finally:
+        release_engines()
+        _SESSION = None
+
+
+def _session_servers(cfg: EngineConfig, model_dir: str, model_id: str) -> list | None:
+    """The open session's servers for this engine (started now if new); None outside a session."""
+    if _SESSION is None:
+        return None
+    import json
+
+    import ray
+
+    key = json.dumps([model_dir, model_id, cfg.model_dump(mode="json")], sort_keys=True)
+    if key not in _SESSION:
+        # One model's engines at a time: idle servers of another model would hold resources
+        # that this stage's Ray Data tasks wait for, which Ray Data cannot see (a deadlock on
+        # a small node). Runs switch models between stages, rarely back and forth.
+        release_engines()
+        # A server process that dies (OOM, segfault) is restarted by Ray; batches in flight get
+        # transient errors (not cached, so a rerun retries them).
+        server = ray.remote(EngineServer).options(max_restarts=3, **actor_resources(cfg))
+        _SESSION[key] = [server.remote(model_dir, cfg.model_dump()) for _ in range(cfg.replicas)]
+    return _SESSION[key]
+
+
+def _claim(servers: list, token: str):
+    """The server of a new Ray Data actor: the first one no other actor of the same pipeline
+    claimed (one engine per actor, as without a session), else the least claimed."""
+    import ray
+
+    counts = []
+    for s in servers:
+        n = ray.get(s.claim.remote(token))
+        if n == 0:
+            return s
+        counts.append(n)
+    return servers[int(np.argmin(counts))]
+
+
+def engine_loads() -> int:
+    """Engines started so far in the open session (0 outside one)."""
+    if not _SESSION:
+        return _RELEASED_LOADS if _SESSION is not None else 0
+    import ray
+
+    live = 0
+    for servers in _SESSION.values():
+        try:
+            live += sum(st["loads"] for st in ray.get([s.stats.remote() for s in servers], timeout=60))
+        except Exception:  # noqa: BLE001 - a dead server loaded nothing we can count
+            pass
+    return _RELEASED_LOADS + live
+
+
+def release_engines() -> None:
+    """Close and stop the session's engine servers (their Ray resources are free again)."""
+    global _RELEASED_LOADS
+    if not _SESSION:
+        return
+    import ray
+
+    _RELEASED_LOADS = engine_loads()
+    servers = [s for group in _SESSION.values() for s in group]
+    _SESSION.clear()
+    try:
+        ray.get([s.close.remote() for s in servers], timeout=120)
+    except Exception:  # noqa: BLE001 - killed below either way
+        pass
+    for s in servers:
+        ray.kill(s, no_restart=True)
+
+
 @dataclass
 class GenerationStats:
     rows: int = 0
@@ -262,6 +418,9 @@ def stream_generate(
     # hour and trip Ray Data's no-progress timeout (seen: 2,200 chunks in one block, 30 min).
     ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)
     res = actor_resources(cfg)
+    servers = _session_servers(cfg, model_dir, model_id)
+    if servers:  # the engine's resources are held by the servers
+        res = {"num_cpus": PROXY_CPUS, "runtime_env": res["runtime_env"]}
     return ds.map_batches(
         EngineActor,
         fn_constructor_kwargs={
@@ -270,6 +429,8 @@ def stream_generate(
             "model_id": model_id,
             "cache_uri": cache_root.uri if (cache is not None and use_cache) else None,
             "storage_cfg": storage_cfg.model_dump() if storage_cfg is not None else None,
+            "servers": servers,
+            "token": uuid.uuid4().hex,
         },
         batch_size=cfg.batch_size,
         batch_format="pyarrow",

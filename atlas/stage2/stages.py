@@ -84,6 +84,9 @@ class LabelClusters(_Stage2):
     inputs = ("clusters", "chunk_tags", "chunks")
     outputs = ("cluster_labels",)
 
+    def keeps_engines(self, cfg) -> bool:  # uses the engine
+        return True
+
     def run(self, ctx) -> dict:
         s2 = ctx.cfg.stage2
         engine = ctx.engine(s2.label_model)
@@ -113,6 +116,9 @@ class BuildConcepts(_Stage2):
     name = "stage2_concepts"
     inputs = ("clusters", "cluster_labels", "tag_clusters", "chunk_tags")
     outputs = ("concepts", "tag_concepts", "chunk_concepts")
+
+    def keeps_engines(self, cfg) -> bool:  # small tables, one light map over chunk_tags; the taxonomy picker uses the engine
+        return True
 
     def run(self, ctx) -> dict:
         from atlas.stage2 import merge
@@ -150,6 +156,9 @@ class JudgeConcepts(_Stage2):
     name = "stage2_judge"
     inputs = ("chunks", "chunk_concepts", "concepts")
     outputs = ("concept_judgements", "concept_judge_by_concept", "concept_judge_by_chunk")
+
+    def keeps_engines(self, cfg) -> bool:  # uses the engine
+        return True
 
     def enabled(self, cfg) -> bool:
         return bool(cfg.stage2.enabled and cfg.judge.enabled and cfg.stage2.judge_chunks > 0)
