@@ -153,7 +153,8 @@ def chunk(root: storage.Location, tokenizer_path: str, cfg: ChunkingConfig) -> d
         batch_format="pyarrow",
         batch_size=16,
         num_cpus=0.5,
-    ).sort("chunk_id")
+    ).materialize()
+    chunks = storage.sort_dataset(chunks, "chunk_id", chunks.size_bytes())
     ptr = storage.write_dataset(root, "chunks", chunks, schemas.CHUNKS)
     table = storage.read_table(root, "chunks", columns=["n_tokens"])
     n = table.column("n_tokens").to_numpy()

@@ -337,7 +337,7 @@ def ingest(input_uri: str, root: storage.Location, cfg: IngestConfig, storage_cf
 
     docs = parsed.filter(expr=col("kind") == "document")
     docs = docs.map_batches(lambda b: schemas.conform(b, schemas.DOCUMENTS), batch_format="pyarrow")
-    docs = docs.sort("doc_id")
+    docs = storage.sort_dataset(docs, "doc_id", parsed.size_bytes())
     if cfg.max_documents:
         docs = docs.limit(cfg.max_documents)
     bad = parsed.filter(expr=col("kind") == "quarantine").map_batches(

@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import re
 
 import pyarrow as pa
@@ -183,6 +184,8 @@ def test_chunk_stage_on_ray_is_stable(ray_cluster, tmp_path, minilm_tokenizer_pa
         runs.append(storage.read_table(root, "chunks"))
     a, b = runs
     assert a.equals(b)  # same ids, texts and offsets on a rerun
+    assert a.column("chunk_id").to_pylist() == sorted(a.column("chunk_id").to_pylist())
+    assert len([f for f in os.listdir(storage.table_path(root, "chunks").path) if f.endswith(".parquet")]) == 1  # a small table is one file
     assert stats["chunks"] == a.num_rows and 40 <= stats["mean_tokens"] <= cfg.max_tokens
     docs = {r["doc_id"]: r["text"] for r in storage.read_table(root, "documents").to_pylist()}
     for r in a.to_pylist()[:50]:
