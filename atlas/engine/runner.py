@@ -22,9 +22,11 @@ Inside an :func:`engine_session` (the runner opens one per run) the engine itsel
 :class:`EngineServer` actors shared by every call with the same model and engine config, so
 consecutive LLM stages load a model once (on CPU ~30 s for Gemma 3 270M; minutes for a
 large model on GPU); the Ray Data actors then only fill from the cache, forward misses and
-write the cache. The runner releases the servers before any stage that does not declare
+write the cache. A session holds one model's servers at a time (a stage on another model
+frees them first), and the runner releases them before any stage that does not declare
 :meth:`~atlas.stage.BaseStage.keeps_engines`, so embedding, clustering and training never run
-beside an idle engine's memory and GPUs. Outside a session each actor owns its engine.
+beside an idle engine's memory and GPUs, and no idle engine holds CPUs that a stage's Ray
+Data tasks wait for (Ray Data cannot see resources held outside its pipeline). Outside a session each actor owns its engine.
 
 :func:`generate` is the same path for a small in-memory request table (benchmarks).
 
