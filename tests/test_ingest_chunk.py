@@ -154,6 +154,22 @@ def test_chunker_covers_text_with_exact_slices(minilm_tokenizer_path):
         assert all(s.tokens == chunker.count(text[s.start : s.end]) for s in spans)
 
 
+def test_rust_tokenizer_counts_like_transformers_and_never_truncates(minilm_tokenizer_path):
+    """The chunker's tokenizer (tokenizer.json through `tokenizers`, no transformers import)
+    gives transformers' ids and offsets, also past MiniLM's 128-token limit in that file."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import DEMO_CORPUS
+
+    rust, hf = chunking.load_tokenizer(minilm_tokenizer_path), AutoTokenizer.from_pretrained(minilm_tokenizer_path)
+    for path in sorted(DEMO_CORPUS.glob("*.txt")):
+        text = path.read_text()
+        want = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        got = rust.encode(text, add_special_tokens=False)
+        assert got.ids == want["input_ids"] and got.offsets == [tuple(o) for o in want["offset_mapping"]], path.name
+        assert len(got.ids) > 128
+
+
 def test_chunker_prefers_paragraph_and_sentence_boundaries(minilm_tokenizer_path):
     cfg = ChunkingConfig(target_tokens=24, max_tokens=40, min_tokens=4)
     chunker = chunking.Chunker(chunking.load_tokenizer(minilm_tokenizer_path), cfg)
