@@ -234,11 +234,40 @@ def test_prepare_is_converted_once_under_concurrency(tmp_path):
 
 @pytest.fixture(scope="module")
 def vllm_backend(gemma_dir):
+    import vllm.renderers.hf as renderer_hf
+
     from atlas.engine import VLLMBackend
 
-    be = VLLMBackend(gemma_dir, small_engine_cfg(max_model_len=1024))
+    # Counts the processor loads of the start (see test_vllm_start_skips_...).
+    processor_loads: list[str] = []
+    real_get_processor = renderer_hf.cached_get_processor
+
+    def counting_get_processor(name, *args, **kwargs):
+        processor_loads.append(str(name))
+        return real_get_processor(name, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(renderer_hf, "cached_get_processor", counting_get_processor)
+        be = VLLMBackend(gemma_dir, small_engine_cfg(max_model_len=1024))
+    be.processor_loads_at_start = processor_loads
     yield be
     be.close()
+
+
+@pytest.mark.slow
+def test_vllm_start_skips_the_async_tokenizer_pool_and_the_processor_load(vllm_backend):
+    """Pins atlas.engine.core._offline_llm_start against the vLLM in use: if vLLM renames what
+    it relies on, the engine still starts, ~8 s slower, and this test says why."""
+    import vllm.renderers.hf as renderer_hf
+    from vllm.tokenizers.hf import ThreadSafeHFTokenizerMixin, maybe_make_thread_pool
+
+    tokenizer = vllm_backend.llm.renderer.tokenizer
+    assert not isinstance(tokenizer, ThreadSafeHFTokenizerMixin), "the renderer built its deep-copied tokenizer pool"
+    assert renderer_hf.maybe_make_thread_pool is maybe_make_thread_pool, "the pool factory was not restored after the start"
+    assert vllm_backend.processor_loads_at_start == [], "the chat-template warm-up loaded the AutoProcessor"
+    # The engine still tokenizes and detokenizes as before (same ids as the model's tokenizer).
+    out = vllm_backend.generate(["The capital of France is"], Sampling(max_tokens=4))[0]
+    assert out.error is None and out.text
 
 
 @pytest.mark.slow
