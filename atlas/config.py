@@ -89,7 +89,7 @@ class EngineConfig(_Section):
         "(emulated bf16 tags ~4x slower there). 'auto': the model's own dtype.",
     )
     enforce_eager: bool = Field(default=True, description="Skip graph compilation (CPU: ~40 s load instead of minutes).")
-    kv_cache_gib: float = Field(default=2.0, gt=0, description="CPU KV cache (VLLM_CPU_KVCACHE_SPACE).")
+    kv_cache_gib: float = Field(default=2.0, gt=0, description="CPU engine: KV cache size in GiB, fractions allowed (vLLM kv_cache_memory_bytes).")
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     seed: int = 0
     prefix_caching: bool = Field(default=True, description="vLLM automatic prefix caching (few-shot prompts share a long prefix).")

@@ -66,7 +66,6 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 NULL_TEXT = "N/A"  # contextual calibration (Zhao et al. 2021, "Calibrate Before Use"): the content-free input

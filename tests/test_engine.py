@@ -89,7 +89,8 @@ def test_actor_resources_cpu_and_gpu():
     cpu = actor_resources(EngineConfig(device="cpu", cpus_per_replica=1.0, kv_cache_gib=2.0, cpu_threads=2))
     env = cpu["runtime_env"]["env_vars"]
     assert cpu["num_cpus"] == 1.0 and "num_gpus" not in cpu
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["OMP_NUM_THREADS"] == "2"
+    assert env["OMP_NUM_THREADS"] == "2"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env  # would override the engine's exact kv_cache_memory_bytes
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == str(max(0, (os.cpu_count() or 1) - 2))
     auto = actor_resources(EngineConfig(device="cpu"))["runtime_env"]["env_vars"]
     assert "OMP_NUM_THREADS" not in auto and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in auto  # vLLM binds itself
@@ -100,6 +101,15 @@ def test_actor_resources_cpu_and_gpu():
     )
     assert gpu["num_gpus"] == 2.0 and gpu["accelerator_type"] == "A100" and gpu["num_cpus"] == 4
     assert "VLLM_CPU_KVCACHE_SPACE" not in gpu["runtime_env"]["env_vars"]
+
+
+def test_cpu_kv_cache_size_is_exact_bytes_and_wins_over_the_legacy_variable(monkeypatch):
+    from atlas.engine.core import apply_cpu_env, kv_cache_bytes
+
+    assert kv_cache_bytes(EngineConfig(kv_cache_gib=0.4)) == int(0.4 * 2**30)  # was rounded up to 1 GiB
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    apply_cpu_env(EngineConfig(kv_cache_gib=0.4))
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
 
 
 def test_prompts_share_prefix_and_end_in_query():
@@ -252,6 +262,11 @@ def vllm_backend(gemma_dir):
     be.processor_loads_at_start = processor_loads
     yield be
     be.close()
+
+
+@pytest.mark.slow
+def test_vllm_kv_cache_is_the_configured_fraction_of_a_gib(vllm_backend):
+    assert vllm_backend.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == 2**29  # small_engine_cfg: 0.5 GiB
 
 
 @pytest.mark.slow

@@ -34,7 +34,8 @@ def test_pipeline_on_s3_and_cached_rerun(ray_cluster, s3_server, s3_client):
     s3_client.put_object(Bucket="e2e", Key="corpus/blank.txt", Body=b"\n\n")
     # 16 tagged chunks: the assertions below allow 4 errors (25%), above the default bound.
     overrides = [f"storage.s3_endpoint={s3_server}", "storage.s3_allow_http=true", "stage1.max_chunks=16", "judge.sample_chunks=3",
-                 "stage1.max_error_rate=0.5", "stage2.label_max_new_tokens=64", "stage2.judge_chunks=4", "stage3.epochs=4"]
+                 "stage1.max_error_rate=0.5", "stage2.label_max_new_tokens=64", "stage2.judge_chunks=4", "stage3.epochs=4",
+                 "engine.kv_cache_gib=0.5"]
     cfg = load_config(overrides=overrides, input="s3://e2e/corpus", output="s3://e2e/run", run_id="e2e-1")
 
     first = runner.run(cfg)

@@ -261,7 +261,9 @@ def apply_cpu_env(cfg: EngineConfig) -> None:
     # shared with other jobs a 4k-token prefill step can take minutes (vLLM's default: 300 s).
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(int(cfg.step_timeout_s)))
     if cfg.device == "cpu":
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(cfg.kv_cache_gib))))
+        # The KV cache size goes to the engine as exact bytes (kv_cache_gib may be fractional);
+        # vLLM's legacy whole-GiB variable would override it.
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         # One CPU worker needs no engine-core and worker processes of its own: in-process the
         # engine starts in about half the time (no second and third import of torch + vLLM),
@@ -281,6 +283,11 @@ def engine_dtype(cfg: EngineConfig) -> str:
     from atlas.hardware import native_bf16
 
     return "bfloat16" if cfg.device == "gpu" or native_bf16("cpu") else "float32"
+
+
+def kv_cache_bytes(cfg: EngineConfig) -> int:
+    """CPU engine's KV cache, ``kv_cache_gib`` in bytes."""
+    return int(cfg.kv_cache_gib * 2**30)
 
 
 def kv_block_size(cfg: EngineConfig) -> int | None:
@@ -541,6 +548,8 @@ class VLLMBackend(Backend):
             kwargs["block_size"] = kv_block_size(cfg)
         if cfg.device == "gpu":
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        else:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(cfg)
         t0 = time.perf_counter()
         # Started before the engine, so children of an engine that hangs while loading die too;
         # only for an engine in processes of its own (the in-process CPU engine has none).

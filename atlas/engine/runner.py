@@ -32,7 +32,7 @@ Data tasks wait for (Ray Data cannot see resources held outside its pipeline). O
 
 Resources per engine (the actor owning it: a server in a session, else the Ray Data actor):
 * CPU: ``num_cpus=cpus_per_replica`` (a scheduling share; keep it fractional on small hosts),
-  ``VLLM_CPU_KVCACHE_SPACE=kv_cache_gib``. vLLM binds its own OMP threads ('auto': all cores
+  a KV cache of ``kv_cache_gib`` (the engine's ``kv_cache_memory_bytes``). vLLM binds its own OMP threads ('auto': all cores
   but one, which its scheduler keeps; measured fastest on 2 cores); ``cpu_threads`` overrides
   that, and sets the torch thread count of the transformers backend (default: host cores /
   replicas; Ray would otherwise leave OMP_NUM_THREADS at num_cpus).
@@ -268,10 +268,7 @@ def actor_resources(cfg: EngineConfig) -> dict[str, Any]:
             # vLLM binds its OMP threads itself ('auto': one core kept for its scheduler);
             # an explicit thread count asks for that many cores.
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(max(0, (os.cpu_count() or 1) - threads))
-        env.update(
-            VLLM_CPU_KVCACHE_SPACE=str(max(1, int(round(cfg.kv_cache_gib)))),
-            VLLM_WORKER_MULTIPROC_METHOD="spawn",
-        )
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         res = {"num_cpus": cfg.cpus_per_replica}
     res["runtime_env"] = {"env_vars": env}
     return res
