@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from atlas.cluster import LOCAL_SYSTEM_CONFIG
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 DEMO_CORPUS = REPO / "atlas" / "demo" / "corpus"
@@ -111,6 +113,7 @@ def ray_cluster(s3_server):
         include_dashboard=False,
         _temp_dir=temp,
         log_to_driver=False,
+        _system_config=LOCAL_SYSTEM_CONFIG,
         runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
     )
     yield ray

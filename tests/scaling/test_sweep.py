@@ -7,6 +7,7 @@ import tempfile
 import polars as pl
 import pytest
 
+from atlas.cluster import LOCAL_SYSTEM_CONFIG
 from model.scaling.plan import plan_isoflop
 from pipelines import scaling_sweep
 from pipelines.scaling_sweep import default_corpus, run_sweep, train_one
@@ -38,7 +39,7 @@ def ray_local():
         temp = tempfile.mkdtemp(prefix="rsc-", dir="/tmp")
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         ray.init(num_cpus=2, object_store_memory=300 * 2**20, include_dashboard=False,
-                 _temp_dir=temp, log_to_driver=False,
+                 _temp_dir=temp, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG,
                  runtime_env={"env_vars": {"PYTHONPATH": root, "TOKENIZERS_PARALLELISM": "false"}})
         started = True
     yield ray

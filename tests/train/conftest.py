@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from atlas.cluster import LOCAL_SYSTEM_CONFIG
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_CORPUS = ROOT / "atlas" / "demo" / "corpus"
 N_CONCEPTS = 16
@@ -56,7 +58,7 @@ def ray_local():
         return
     temp = tempfile.mkdtemp(prefix="rtr-", dir="/tmp")
     ray.init(address="local", num_cpus=2, object_store_memory=256 * 2**20, include_dashboard=False,
-             _temp_dir=temp, log_to_driver=False,
+             _temp_dir=temp, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
                                        "OMP_NUM_THREADS": "1"}})
     yield ray
