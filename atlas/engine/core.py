@@ -501,11 +501,8 @@ def _offline_llm_start(model_dir: str) -> Iterator[None]:
     Both are vLLM internals: where a later vLLM renames them this does nothing, and the start
     is merely slower. Only the ``LLM()`` call inside this block is affected.
     """
-    try:
-        import vllm.renderers.hf as renderer_hf
-    except ImportError:
-        yield
-        return
+    import vllm.renderers.hf as renderer_hf
+
     templates = getattr(renderer_hf, "_PROCESSOR_CHAT_TEMPLATES", None)
     if isinstance(templates, dict) and not any(os.path.exists(os.path.join(model_dir, f)) for f in _PROCESSOR_FILES):
         # Key as in vllm.renderers.hf._try_get_processor_chat_template: (tokenizer path,

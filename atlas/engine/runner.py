@@ -26,15 +26,16 @@ write the cache. A session holds one model's servers at a time (a stage on anoth
 frees them first), and the runner releases them before any stage that does not declare
 :meth:`~atlas.stage.BaseStage.keeps_engines`, so embedding, clustering and training never run
 beside an idle engine's memory and GPUs, and no idle engine holds CPUs that a stage's Ray
-Data tasks wait for (Ray Data cannot see resources held outside its pipeline). Outside a session each actor owns its engine.
+Data tasks wait for (Ray Data cannot see resources held outside its pipeline). Outside a
+session each actor owns its engine.
 
 :func:`generate` is the same path for a small in-memory request table (benchmarks).
 
 Resources per engine (the actor owning it: a server in a session, else the Ray Data actor):
 * CPU: ``num_cpus=cpus_per_replica`` (a scheduling share; keep it fractional on small hosts),
-  a KV cache of ``kv_cache_gib`` (the engine's ``kv_cache_memory_bytes``). vLLM binds its own OMP threads ('auto': all cores
-  but one, which its scheduler keeps; measured fastest on 2 cores); ``cpu_threads`` overrides
-  that, and sets the torch thread count of the transformers backend (default: host cores /
+  a KV cache of ``kv_cache_gib`` (the engine's ``kv_cache_memory_bytes``). vLLM binds its
+  own OMP threads ('auto': all cores but one, which its scheduler keeps; measured fastest on
+  2 cores); ``cpu_threads`` overrides that, and sets the torch thread count of the transformers backend (default: host cores /
   replicas; Ray would otherwise leave OMP_NUM_THREADS at num_cpus).
 * GPU: ``num_gpus = gpus_per_replica * tensor_parallel_size`` (tensor parallelism inside one
   actor, vLLM's multiprocessing executor over the GPUs Ray assigned it, so one replica stays
