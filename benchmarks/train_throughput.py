@@ -82,6 +82,8 @@ def main() -> None:
                          "1 thread on an otherwise idle 2-core host leaves Ray's own processes a free core the trainer never has)")
     ap.add_argument("--zero-stage", type=int, default=1)
     ap.add_argument("--gpu", action="store_true")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                    help="compute dtype of both sides (auto: bf16 where the device computes it natively)")
     ap.add_argument("--peak-n", type=int, default=1024)
     a = ap.parse_args()
 
@@ -97,7 +99,9 @@ def main() -> None:
     from model.train import DistConfig, train
 
     device = "cuda" if a.gpu else "cpu"
-    dtype = "bf16" if a.gpu else "fp32"  # CPU workers run fp32 (model/train.py); compare like with like
+    from model.loop import resolve_dtype
+
+    dtype = resolve_dtype(a.dtype, device)  # both sides run the same compute dtype
     n_known = 48
     mcfg = ModelConfig.preset(a.preset, n_known=max(n_known, ModelConfig.preset(a.preset).topk_known),
                               max_seq_len=max(a.seq_len, 64))

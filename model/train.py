@@ -9,8 +9,8 @@ Each worker builds the model, hands it and a torch AdamW to ``deepspeed.initiali
 (a client optimizer: no fused-op compilation), and runs ``compute_losses`` ->
 ``engine.backward`` -> ``engine.step`` with DeepSpeed doing gradient accumulation,
 clipping, the ZeRO partitioning of optimizer state (stage 1/2) and the LR schedule
-(``model.loop.lr_at`` through a LambdaLR). CPU: ``DS_ACCELERATOR=cpu`` and gloo; GPU: NCCL
-and bf16.
+(``model.loop.lr_at`` through a LambdaLR). CPU: ``DS_ACCELERATOR=cpu``, gloo and (where the CPU
+computes bf16 natively) bf16 autocast; GPU: NCCL and bf16.
 
 Checkpoints (every ``checkpoint_every`` steps and at the end) go through
 ``ray.train.report`` into the run's storage (local or S3 via a pyarrow filesystem). Files
@@ -181,7 +181,7 @@ def _worker(config: dict) -> None:
 
     from model.data import iter_batches
     from model.io import save_pretrained
-    from model.loop import lr_at, make_optimizer, resolve_dtype
+    from model.loop import autocast_factory, lr_at, make_optimizer, resolve_dtype
     from model.metrics import evaluate
     from model.modeling import Steerling
     from model.objectives import compute_losses
@@ -201,8 +201,13 @@ def _worker(config: dict) -> None:
     device = torch.device(f"cuda:{ctx.get_local_rank()}" if use_gpu else "cpu")
     if use_gpu:
         torch.cuda.set_device(device)
-    # CPU workers run fp32 (DeepSpeed's bf16 mode targets GPUs; most CPUs emulate bf16 slowly).
-    bf16 = use_gpu and resolve_dtype(tcfg.dtype, "cuda") == "bf16"
+    device_type = "cuda" if use_gpu else "cpu"
+    # tcfg.dtype "auto" is bf16 where the device computes it natively. The forward runs under its
+    # autocast; on GPU also DeepSpeed's bf16 mode (bf16 weights, fp32 master copy), while CPU workers
+    # keep fp32 weights, gradients and optimizer (DeepSpeed's bf16 optimizer targets accelerators).
+    autocast = autocast_factory(tcfg.dtype, device_type)
+    compute_dtype = resolve_dtype(tcfg.dtype, device_type)
+    ds_bf16 = use_gpu and compute_dtype == "bf16"
     micro = tcfg.batch_size // (world * dcfg.grad_accum)
     total = tcfg.total_steps
 
@@ -228,7 +233,7 @@ def _worker(config: dict) -> None:
         "gradient_clipping": tcfg.grad_clip or 0.0,
         "zero_optimization": {"stage": dcfg.zero_stage},
         "zero_allow_untested_optimizer": True,  # the client AdamW (no DeepSpeed fused op)
-        "bf16": {"enabled": bf16},
+        "bf16": {"enabled": ds_bf16},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -271,8 +276,6 @@ def _worker(config: dict) -> None:
                 raise ValueError(f"rank {rank}: the training split yields no batch of {micro} sequences")
             epoch += 1
 
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else None
-
     def do_eval(step: int) -> None:
         if rank != 0:  # ZeRO <= 2: forward needs no collective, so one rank evaluates
             return
@@ -309,8 +312,7 @@ def _worker(config: dict) -> None:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(it).items()}
             state["consumed"] += 1
             gen = torch.Generator(device=device).manual_seed(_seed_for(tcfg.seed, rank, step, m))
-            ctx_ = autocast() if autocast else _Null()
-            with ctx_:
+            with autocast():
                 out = compute_losses(engine.module, batch, tcfg, step, total, gen)
             engine.backward(out["loss"])
             engine.step()
@@ -343,17 +345,10 @@ def _worker(config: dict) -> None:
             metrics = {"step": step, "loss": rec["loss"], "lm_loss": rec["lm_loss"], "rank": rank,
                        "engine": type(engine).__name__, "optimizer": type(engine.optimizer).__name__,
                        "zero_stage": engine.zero_optimization_stage(), "opt_state_numel": opt_numel,
-                       "n_params": n_params, "world_size": world, "restarts": state["restarts"]}
+                       "n_params": n_params, "world_size": world, "restarts": state["restarts"],
+                       "compute_dtype": compute_dtype}
             state["step"] = step
             checkpoint(step, metrics)
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 # ----------------------------------------------------------------------------- driver side

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.slow
 def test_s3_run_resumes_from_its_latest_checkpoint(s3_server, s3_client, annotation_root_s3, ray_local, tmp_path):
     # s3_server before ray_local: the test credentials are in the environment Ray workers inherit
     import pyarrow.fs as pafs
+    import torch
 
     from atlas import storage
     from atlas.config import StorageConfig
@@ -30,14 +31,16 @@ def test_s3_run_resumes_from_its_latest_checkpoint(s3_server, s3_client, annotat
     dist = DistConfig(num_workers=2, cpus_per_worker=0.5, zero_stage=2, s3_endpoint=s3_server)
 
     def tc(steps):
-        return TrainConfig(steps=steps, batch_size=4, seq_len=64, dtype="fp32", warmup_steps=1, eval_batches=1)
+        return TrainConfig(steps=steps, batch_size=4, seq_len=64, dtype="bf16", warmup_steps=1, eval_batches=1)
 
     train(mcfg, tc(2), data, out, dist=dist, progress=False)
     res = train(mcfg, tc(4), data, out, dist=dist, progress=False)
 
     loc = storage.resolve(out, StorageConfig(s3_endpoint=s3_server))
     man = storage.read_json(loc.join("_manifest.json"))
-    assert man["last_report"]["zero_stage"] == 2 and man["final"]["restarts"] == 1
+    # bf16 autocast on CPU workers too, with fp32 weights and optimizer state
+    assert man["last_report"]["zero_stage"] == 2 and man["last_report"]["compute_dtype"] == "bf16"
+    assert man["final"]["restarts"] == 1
     assert [r["step"] for r in man["restores"]] == [2]
     assert man["restores"][0]["saved_digest"] == man["restores"][0]["restored_digest"]
     assert man["checkpoint_uri"].startswith("train-out/steerling/run-1/ray/")
@@ -52,4 +55,5 @@ def test_s3_run_resumes_from_its_latest_checkpoint(s3_server, s3_client, annotat
     from model.train import weights_digest
 
     assert weights_digest(model) == man["final_digest"] and len(names) == N_CONCEPTS
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert res.final["steps"] == 4 and json.dumps(man)  # manifest is plain JSON
