@@ -95,12 +95,11 @@ def main() -> None:
     from model.config import ModelConfig, TrainConfig
     from model.data import DataConfig, iter_batches, prepare, standin_annotations, write_annotation_run
     from model.flops import train_flops_per_token
+    from model.loop import resolve_dtype
     from model.sweep import default_corpus
     from model.train import DistConfig, train
 
     device = "cuda" if a.gpu else "cpu"
-    from model.loop import resolve_dtype
-
     dtype = resolve_dtype(a.dtype, device)  # both sides run the same compute dtype
     n_known = 48
     mcfg = ModelConfig.preset(a.preset, n_known=max(n_known, ModelConfig.preset(a.preset).topk_known),
