@@ -201,12 +201,11 @@ def _worker(config: dict) -> None:
     device = torch.device(f"cuda:{ctx.get_local_rank()}" if use_gpu else "cpu")
     if use_gpu:
         torch.cuda.set_device(device)
-    device_type = "cuda" if use_gpu else "cpu"
     # tcfg.dtype "auto" is bf16 where the device computes it natively. The forward runs under its
     # autocast; on GPU also DeepSpeed's bf16 mode (bf16 weights, fp32 master copy), while CPU workers
     # keep fp32 weights, gradients and optimizer (DeepSpeed's bf16 optimizer targets accelerators).
-    autocast = autocast_factory(tcfg.dtype, device_type)
-    compute_dtype = resolve_dtype(tcfg.dtype, device_type)
+    compute_dtype = resolve_dtype(tcfg.dtype, device.type)
+    autocast = autocast_factory(compute_dtype, device.type)
     ds_bf16 = use_gpu and compute_dtype == "bf16"
     micro = tcfg.batch_size // (world * dcfg.grad_accum)
     total = tcfg.total_steps
