@@ -145,6 +145,7 @@ def main() -> None:
         "ray_deepspeed_tokens_per_s": round(ds, 1), "ray_deepspeed_per_core": round(per_core_ds, 1),
         "ratio_per_core": round(per_core_ds / per_core_sp, 3), "target_ratio": 0.8,
         "ratio_per_core_of_mean_step": round(statistics.fmean(sp_steps) / statistics.fmean(ds_steps) * (1 if a.gpu else single_threads / unit), 3),
+        "ray_deepspeed_data_wait_share": round(steps["data_s"].sum() / steps["step_s"].sum(), 4),
         "timed_steps": {"single_process": len(sp_steps), "ray_deepspeed": len(ds_steps)},
         "single_process_per_core_before_after": [round(tcfg.tokens_per_step / statistics.median(half) / (1 if a.gpu else single_threads), 1)
                                                  for half in (sp_steps[:a.steps], sp_steps[a.steps:])],

@@ -21,7 +21,7 @@ and ``state.json`` (step, data position, metric history). A restarted worker gro
 checkpoint. Outputs under ``out``:
 
     model/                 safetensors + config + tokenizer + concepts (load_pretrained)
-    metrics/steps.parquet  per-step losses, lr, grad norm, tokens/s
+    metrics/steps.parquet  per-step losses, lr, grad norm, tokens/s, step and data-wait seconds
     metrics/eval.parquet   held-out val loss, the four interpretability metrics, concept AUC (+ base-rate control)
     metrics/loss_curves.png
     _manifest.json         configs, data provenance (annotation run, concept library), timings
@@ -307,8 +307,11 @@ def _worker(config: dict) -> None:
             os._exit(1)  # a lost worker, as far as Ray Train can tell
         t0 = time.perf_counter()
         acc = {"loss": 0.0, "lm_loss": 0.0, "concept_loss": 0.0}
+        data_s = 0.0
         for m in range(dcfg.grad_accum):
+            td = time.perf_counter()
             batch = {k: v.to(device, non_blocking=True) for k, v in next(it).items()}
+            data_s += time.perf_counter() - td
             state["consumed"] += 1
             gen = torch.Generator(device=device).manual_seed(_seed_for(tcfg.seed, rank, step, m))
             with autocast():
@@ -326,7 +329,7 @@ def _worker(config: dict) -> None:
         rec = {"step": step, "loss": float(red[0]), "lm_loss": float(red[1]),
                "concept_loss": float(red[2]) if mcfg.has_concepts else None,
                "lr": float(engine.get_lr()[0]), "grad_norm": float(gn) if gn is not None else None,
-               "tokens_per_s": tokens_step / dt, "step_s": dt, "attempt": state["restarts"]}
+               "tokens_per_s": tokens_step / dt, "step_s": dt, "data_s": data_s, "attempt": state["restarts"]}
         if not math.isfinite(rec["loss"]):
             raise FloatingPointError(f"non-finite loss at step {step}: {rec}")
         if opt_numel is None:
@@ -537,6 +540,9 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data, out=None, progre
         "flops": train_flops(mcfg, tokens, tcfg.seq_len),
         "wall_s": time.perf_counter() - t0, "train_s": train_s, "prep_s": prep_s,
         "tokens_per_s": len(done_steps) * tcfg.tokens_per_step / max(step_time, 1e-9),
+        # rank 0's wait for its micro-batches (step 0's includes the input pipeline's start-up);
+        # beyond that near 0 unless the Ray Data input is the bottleneck
+        "data_wait_share": sum(r.get("data_s", 0.0) for r in done_steps) / max(step_time, 1e-9),
         "restarts": state.get("restarts", 0),
     }
     if names is not None and any(names):

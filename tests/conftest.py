@@ -8,14 +8,14 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from atlas.cluster import LOCAL_SYSTEM_CONFIG
+from atlas.cluster import ray_session
+from atlas.config import RayConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -23,6 +23,8 @@ DEMO_CORPUS = REPO / "atlas" / "demo" / "corpus"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray workers and subprocesses inherit this: test-only modules (tests.scaling.fake_trainers) import there too
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 
 
 def _free_port() -> int:
@@ -103,22 +105,22 @@ def s3_client(s3_server):
 
 @pytest.fixture(scope="session")
 def ray_cluster(s3_server):
-    """One local Ray cluster for the session, in its own temp dir, stopped by ray.shutdown()."""
+    """One local Ray cluster for the session (s3_server first: the test credentials are in the
+    environment Ray's workers inherit)."""
     import ray
 
-    temp = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
-    ray.init(
-        num_cpus=2,
-        object_store_memory=512 * 2**20,
-        include_dashboard=False,
-        _temp_dir=temp,
-        log_to_driver=False,
-        _system_config=LOCAL_SYSTEM_CONFIG,
-        runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
-    )
-    yield ray
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
+    with ray_session(RayConfig(num_cpus=2, object_store_memory_mb=512)):
+        yield ray
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray cluster for one module (the session's one when it is already up), through
+    the product's own connection helper: a private temp dir, address="local", stopped after."""
+    import ray
+
+    with ray_session(RayConfig(num_cpus=2, object_store_memory_mb=256)):
+        yield ray
 
 
 @pytest.fixture(scope="session")

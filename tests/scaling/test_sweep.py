@@ -1,13 +1,9 @@
 import json
 import math
-import os
-import shutil
-import tempfile
 
 import polars as pl
 import pytest
 
-from atlas.cluster import LOCAL_SYSTEM_CONFIG
 from model.scaling.plan import plan_isoflop
 from pipelines import scaling_sweep
 from pipelines.scaling_sweep import default_corpus, run_sweep, train_one
@@ -27,25 +23,6 @@ def test_train_one_catches_errors_and_returns_scalars(tmp_path):
 def test_default_corpus_is_shipped():
     c = default_corpus()
     assert c.is_dir() and len(list(c.glob("*.txt"))) >= 20
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    started = False
-    temp = None
-    if not ray.is_initialized():
-        temp = tempfile.mkdtemp(prefix="rsc-", dir="/tmp")
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        ray.init(num_cpus=2, object_store_memory=300 * 2**20, include_dashboard=False,
-                 _temp_dir=temp, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG,
-                 runtime_env={"env_vars": {"PYTHONPATH": root, "TOKENIZERS_PARALLELISM": "false"}})
-        started = True
-    yield ray
-    if started:
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.slow

@@ -1,15 +1,12 @@
-"""Fixtures for the trainer tests: annotation shards (local and on the moto S3 server) and
-a private local Ray cluster (fractional CPUs, capped object store)."""
+"""Fixtures for the trainer tests: annotation shards (local and on the moto S3 server; the
+module-scoped Ray cluster is ``ray_local`` in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from atlas.cluster import LOCAL_SYSTEM_CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_CORPUS = ROOT / "atlas" / "demo" / "corpus"
@@ -47,20 +44,3 @@ def annotation_root_s3(annotation_tables, s3_server, s3_client) -> str:
     s3_client.create_bucket(Bucket="train-shards")
     ann, con = annotation_tables
     return write_annotation_run("s3://train-shards/atlas-run", ann, con, s3_endpoint=s3_server, run_id="fixture-s3")
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    if ray.is_initialized():
-        yield ray
-        return
-    temp = tempfile.mkdtemp(prefix="rtr-", dir="/tmp")
-    ray.init(address="local", num_cpus=2, object_store_memory=256 * 2**20, include_dashboard=False,
-             _temp_dir=temp, log_to_driver=False, _system_config=LOCAL_SYSTEM_CONFIG,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false",
-                                       "OMP_NUM_THREADS": "1"}})
-    yield ray
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)

@@ -43,6 +43,8 @@ def test_two_workers_zero1_survive_a_killed_worker(ray_local, annotation_root, t
     steps = pl.read_parquet(out / "metrics" / "steps.parquet")
     assert steps.filter(pl.col("attempt") == 0)["step"].to_list()[:3] == [0, 1, 2]
     resumed = steps.filter(pl.col("attempt") == 1)
+    assert ((steps["data_s"] >= 0) & (steps["data_s"] < steps["step_s"])).all()
+    assert 0 <= man["final"]["data_wait_share"] < 1
     assert resumed["step"].to_list() == [3, 4, 5, 6, 7]  # continues, does not start over
     first = steps["loss"][0]
     before = steps.filter((pl.col("attempt") == 0) & (pl.col("step") == 2))["loss"][0]
