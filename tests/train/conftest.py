@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_CORPUS = ROOT / "atlas" / "demo" / "corpus"
 N_CONCEPTS = 16
